@@ -1,0 +1,192 @@
+"""``amp``: the automatic-mixed-precision transform."""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat, _dtypes
+from ._interpreter import Context, eval_jaxpr
+from ._policy import default_amp_policy, validate_policy
+
+_CACHE_SIZE = 32
+_COMPUTE_PRIMS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or _compat.is_tracer(x)
+
+
+def _saveable(prim: Any, *avals: Any, **params: Any) -> bool:
+    """Checkpoint policy: save matmul results and values that are not float32.
+
+    float32 intermediates of a mixed-precision function (the inside of a softmax, a norm,
+    a GELU) are recomputed in the backward pass from the half-precision values they came
+    from, so the activations kept for the backward pass are half precision.
+    """
+    if prim.name in _COMPUTE_PRIMS:
+        return True
+    if prim.name == "convert_element_type":
+        return np.dtype(params["new_dtype"]) != _dtypes.FLOAT32 if _dtypes.is_castable(params["new_dtype"]) else True
+    if not avals:
+        return False
+    return not any(getattr(a, "dtype", None) == _dtypes.FLOAT32 for a in avals)
+
+
+class _Traced:
+    """A traced-and-transformed function for one input signature."""
+
+    __slots__ = ("transformed", "out_tree", "out_static", "out_dynamic_mask", "jitted")
+
+    def __init__(self, transformed, out_tree, out_static, out_dynamic_mask):
+        self.transformed = transformed
+        self.out_tree = out_tree
+        self.out_static = out_static
+        self.out_dynamic_mask = out_dynamic_mask
+        self.jitted = None
+
+
+class _AmpFunction:
+    """The callable ``amp`` returns; see :func:`amp`."""
+
+    def __init__(self, fn: Callable, compute_dtype: np.dtype, policy: Mapping, remat: bool):
+        self.fn = fn
+        self.compute_dtype = compute_dtype
+        self.policy = policy
+        self.remat = remat
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self.trace_count = 0
+        """How many times ``fn`` has been traced (re-calls with one signature reuse it)."""
+        functools.update_wrapper(self, fn)
+
+    def __get__(self, instance, owner=None):  # methods: amp-decorated in a class body
+        if instance is None:
+            return self
+        return functools.partial(self, instance)
+
+    def __call__(self, *args, **kwargs):
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        dynamic_mask = tuple(_is_array(x) for x in leaves)
+        dynamic = [x for x, d in zip(leaves, dynamic_mask) if d]
+        static = tuple(x for x, d in zip(leaves, dynamic_mask) if not d)
+        scopes = _compat.scope_names(_compat.current_name_stack())
+        avals = tuple(_compat.typeof(x) for x in dynamic)
+        key = (treedef, dynamic_mask, avals, static, scopes)
+        try:
+            hash(key)
+        except TypeError:
+            key = None
+        traced = self._cache.get(key) if key is not None else None
+        if traced is None:
+            traced = self._trace(treedef, dynamic_mask, static, dynamic, scopes)
+            # A function closing over an outer trace's values is only valid in that trace.
+            if key is not None and not any(_compat.is_tracer(c) for c in traced.transformed.consts):
+                self._cache[key] = traced
+                if len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        if any(_compat.is_tracer(x) for x in dynamic):
+            out_dynamic = _compat.jaxpr_as_fun(traced.transformed)(*dynamic)
+        else:
+            if traced.jitted is None:
+                traced.jitted = jax.jit(_compat.jaxpr_as_fun(traced.transformed))
+            out_dynamic = traced.jitted(*dynamic)
+        out_dynamic = iter(out_dynamic)
+        out_static = iter(traced.out_static)
+        out_leaves = [next(out_dynamic) if d else next(out_static) for d in traced.out_dynamic_mask]
+        return jax.tree_util.tree_unflatten(traced.out_tree, out_leaves)
+
+    def _trace(self, treedef, dynamic_mask, static, dynamic, scopes) -> _Traced:
+        self.trace_count += 1
+        out_info = {}
+
+        def flat_fn(*dyn):
+            it_dyn, it_static = iter(dyn), iter(static)
+            leaves = [next(it_dyn) if d else next(it_static) for d in dynamic_mask]
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+            out = self.fn(*args, **kwargs)
+            out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+            mask = tuple(_is_array(x) for x in out_leaves)
+            out_info.update(tree=out_tree, mask=mask, static=tuple(x for x, m in zip(out_leaves, mask) if not m))
+            return [x for x, m in zip(out_leaves, mask) if m]
+
+        closed = jax.make_jaxpr(flat_fn)(*dynamic)
+        transformed = _transform(closed, self.compute_dtype, self.policy, scopes, self.remat)
+        return _Traced(transformed, out_info["tree"], out_info["static"], out_info["mask"])
+
+    def __repr__(self) -> str:
+        return f"amp({getattr(self.fn, '__name__', self.fn)!r}, compute_dtype={self.compute_dtype.name})"
+
+
+def _transform(closed: Any, compute_dtype: np.dtype, policy: Mapping, scopes: tuple[str, ...], remat: bool) -> Any:
+    """The closed jaxpr of ``closed`` re-evaluated under ``policy``."""
+    ctx = Context(compute_dtype, policy)
+    jaxpr, consts = closed.jaxpr, closed.consts
+    in_avals = [v.aval for v in jaxpr.invars]
+    out_dtypes = [v.aval.dtype for v in jaxpr.outvars]
+
+    def run(*args):
+        outs, _ = eval_jaxpr(ctx, jaxpr, consts, args, [True] * len(args), scopes)
+        return [_dtypes.cast(x, d) if _dtypes.is_castable(d) else x for x, d in zip(outs, out_dtypes)]
+
+    if remat and compute_dtype != _dtypes.FLOAT32:
+        run = jax.checkpoint(run, policy=_saveable)
+    new_jaxpr, new_consts = _compat.trace_to_jaxpr(run, in_avals)
+    return _compat.close_jaxpr(new_jaxpr, new_consts)
+
+
+def amp(
+    fn: Callable | None = None,
+    *,
+    compute_dtype: Any = jnp.float16,
+    amp_policy: Mapping | None = None,
+    remat_float32: bool = True,
+) -> Any:
+    """Run ``fn`` in mixed precision.
+
+    ``amp`` traces ``fn`` to a jaxpr over the array leaves of its arguments (other leaves,
+    such as an Equinox module's activation function, are static, as in
+    ``equinox.filter_jit``) and re-evaluates it equation by equation with the rule
+    ``amp_policy`` gives for each: by default matmuls and convolutions run in
+    ``compute_dtype``, numerically sensitive operations in float32 and everything else in
+    the dtype its inputs arrive in. The bodies of nested ``jit``, ``scan``, ``while``,
+    ``cond``, ``checkpoint``, ``custom_jvp``/``custom_vjp`` and ``shard_map`` are
+    transformed too. Outputs come back in the dtypes ``fn`` returns. Integers, booleans,
+    PRNG keys, float64 and complex values are never cast.
+
+    **Arguments:**
+
+    - ``fn``: the function. Omit it to get a decorator: ``@amp(compute_dtype="bfloat16")``.
+    - ``compute_dtype``: ``float16``, ``bfloat16`` or ``float32`` (a dtype or a string such
+      as ``"bf16"``); ``float32`` makes ``amp`` an exact identity, for A/B debugging.
+    - ``amp_policy``: a mapping from primitives or ``jax.named_scope`` names to rules;
+      default :data:`autocast.default_amp_policy`. See :func:`autocast.extend_policy`.
+    - ``remat_float32``: recompute, in the backward pass, the float32 intermediates that
+      were computed from half-precision values instead of saving them (the activation
+      memory kept for the backward pass is then half precision). On by default.
+
+    **Returns:** a function with ``fn``'s signature. Calls with the same argument
+    structure, shapes and dtypes reuse the transformed jaxpr.
+
+    Example::
+
+        loss = autocast.amp(loss_fn, compute_dtype=jnp.bfloat16)(params, batch)
+        grads = jax.grad(autocast.amp(loss_fn))(params, batch)
+    """
+    dtype = _dtypes.canonical_compute_dtype(compute_dtype)
+    policy = default_amp_policy if amp_policy is None else amp_policy
+    validate_policy(policy)
+    if fn is None:
+        return functools.partial(amp, compute_dtype=dtype, amp_policy=policy, remat_float32=remat_float32)
+    if not callable(fn):
+        raise TypeError(f"amp(fn={fn!r}): fn must be callable (a function, an Equinox module, ...), got {type(fn).__name__}.")
+    return _AmpFunction(fn, dtype, policy, bool(remat_float32))
+
+

@@ -1,0 +1,222 @@
+"""Every JAX-internals touch point of autocast, in one place.
+
+The interpreter reads jaxprs, binds primitives and re-traces sub-jaxprs; those steps use
+a handful of names that JAX does not promise to keep stable. They all live here, feature
+detected, each branch commented with the release it serves, so that a JAX upgrade is one
+file's work. Tested on JAX 0.9.2 and 0.10.2 (see ``tests/test_compat.py`` and
+``.ci/jax_versions.sh``). JAX 0.11 merges ``ClosedJaxpr`` into ``Jaxpr``; the predicates
+below are written to work on both sides of that change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+import jax.extend.linear_util as jex_lu
+import jax.extend.source_info_util as jex_siu
+from jax._src.interpreters import partial_eval as _pe  # trace_to_jaxpr_dynamic
+
+Primitive = jex_core.Primitive
+Jaxpr = jex_core.Jaxpr
+ClosedJaxpr = jex_core.ClosedJaxpr
+Literal = jex_core.Literal
+Var = jex_core.Var
+DropVar = jex_core.DropVar
+primitives = jex_core.primitives
+
+user_context = jex_siu.user_context
+current_name_stack = jex_siu.current_name_stack
+
+# JAX >= 0.11: ClosedJaxpr is an alias of Jaxpr (consts live on the Jaxpr).
+_CLOSED_IS_JAXPR = ClosedJaxpr is Jaxpr
+
+
+def is_jaxpr_like(x: Any) -> bool:
+    """A ``Jaxpr`` or ``ClosedJaxpr`` (both are the same class from JAX 0.11 on)."""
+    return isinstance(x, (Jaxpr, ClosedJaxpr))
+
+
+def is_closed(x: Any) -> bool:
+    """Whether ``x`` carries its own constants (a ``ClosedJaxpr`` before JAX 0.11)."""
+    return (not _CLOSED_IS_JAXPR) and isinstance(x, ClosedJaxpr)
+
+
+def open_and_consts(x: Any) -> tuple[Any, list[Any]]:
+    """The open ``Jaxpr`` and its constant values, for an open or closed jaxpr."""
+    if is_closed(x):
+        return x.jaxpr, list(x.consts)
+    return x, list(getattr(x, "consts", ()) or ())
+
+
+def bind(prim: Primitive, invals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+    """Bind ``prim`` with equation ``params``; always returns a list of outputs."""
+    bind_params = prim.get_bind_params(params)
+    if isinstance(bind_params, tuple):
+        # JAX < 0.9.2: get_bind_params returned (subfuns, params); subfuns lead the operands.
+        subfuns, bind_params = bind_params
+        out = prim.bind(*subfuns, *invals, **bind_params)
+    else:
+        # JAX >= 0.9.2: a dict; call-like primitives keep their subfuns inside it.
+        out = prim.bind(*invals, **bind_params)
+    return list(out) if prim.multiple_results else [out]
+
+
+def eqn_context(eqn: Any) -> contextlib.AbstractContextManager:
+    """The context an equation was traced in (abstract mesh, compute type, ...)."""
+    ctx = getattr(eqn, "ctx", None)
+    manager = getattr(ctx, "manager", None)
+    return manager if manager is not None else contextlib.nullcontext()
+
+
+def scope_names(name_stack: Any) -> tuple[str, ...]:
+    """The ``jax.named_scope`` names of a name stack, outermost first.
+
+    Transformation markers (``jvp(...)``, ``transpose(...)``) are not scopes and are
+    skipped.
+    """
+    stack = getattr(name_stack, "stack", ())
+    names = []
+    for entry in stack:
+        # jax._src.source_info_util.Scope has .name; Transform entries have .name too,
+        # but are a different class: only scopes count.
+        if type(entry).__name__ == "Scope":
+            names.append(entry.name)
+    return tuple(names)
+
+
+def trace_to_jaxpr(fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """Trace ``fun`` (flat lists in, flat list out) at ``in_avals``.
+
+    Returns ``(open_jaxpr, consts)``. Avals keep their sharding and varying-manual-axes
+    annotations, which ``jax.make_jaxpr`` on ``ShapeDtypeStruct`` would not.
+    """
+
+    def flat(*args):
+        return list(fun(*args))
+
+    dbg = _debug_info(flat, in_avals)
+    wrapped = jex_lu.wrap_init(flat, debug_info=dbg)
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    return jaxpr, list(consts)
+
+
+def _debug_info(fun: Callable, in_avals: Sequence[Any]) -> Any:
+    from jax._src import api_util  # JAX >= 0.5: wrap_init requires debug_info
+
+    return api_util.debug_info("autocast", fun, tuple(in_avals), {})
+
+
+def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
+    """A closed jaxpr from an open one and its constants."""
+    if _CLOSED_IS_JAXPR:  # JAX >= 0.11
+        return jaxpr.replace(consts=list(consts)) if consts else jaxpr
+    return ClosedJaxpr(jaxpr, list(consts))
+
+
+def constvars_to_invars(jaxpr: Any) -> Any:
+    """Turn the constvars of an open jaxpr into leading invars."""
+    return _pe.convert_constvars_jaxpr(jaxpr)
+
+
+def jaxpr_as_fun(closed: Any) -> Callable[..., list[Any]]:
+    return jex_core.jaxpr_as_fun(closed)
+
+
+def aval_with_dtype(aval: Any, dtype: Any) -> Any:
+    """``aval`` with another dtype (sharding and manual axes kept); weak type dropped."""
+    if aval.dtype == dtype:
+        return aval
+    return aval.update(dtype=dtype, weak_type=False)
+
+
+def typeof(x: Any) -> Any:
+    """The abstract value of a concrete or traced value."""
+    return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)  # JAX < 0.6
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+# --- primitives the interpreter treats specially ----------------------------------------
+
+
+def _find(name: str, *modules: str) -> Primitive | None:
+    for module in modules:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        prim = getattr(mod, name, None)
+        if isinstance(prim, Primitive):
+            return prim
+    return None
+
+
+_EXT = "jax.extend.core.primitives"
+jit_p = _find("jit_p", _EXT) or _find("pjit_p", "jax._src.pjit")  # JAX < 0.7: pjit_p
+closed_call_p = _find("closed_call_p", _EXT)
+remat_p = _find("remat_p", _EXT)
+scan_p = _find("scan_p", _EXT)
+while_p = _find("while_p", _EXT)
+cond_p = _find("cond_p", _EXT)
+custom_jvp_call_p = _find("custom_jvp_call_p", _EXT)
+custom_vjp_call_p = _find("custom_vjp_call_p", _EXT)
+convert_element_type_p = _find("convert_element_type_p", _EXT)
+# shard_map_p is only in jax._src (JAX 0.10: jax._src.shard_map; older: experimental).
+shard_map_p = _find("shard_map_p", "jax._src.shard_map", "jax.experimental.shard_map")
+
+# Modules whose Primitive objects a policy file may name (resolved by ``Primitive.name``).
+_PRIMITIVE_MODULES = (
+    "jax.extend.core.primitives",
+    "jax.lax",
+    "jax.lax.linalg",
+    "jax._src.lax.lax",
+    "jax._src.lax.linalg",
+    "jax._src.lax.slicing",
+    "jax._src.lax.special",
+    "jax._src.lax.fft",
+    "jax._src.lax.convolution",
+    "jax._src.lax.windowed_reductions",
+    "jax._src.lax.parallel",
+    "jax._src.lax.ann",
+    "jax._src.lax.control_flow.loops",
+    "jax._src.lax.control_flow.conditionals",
+    "jax._src.lax.control_flow.solves",
+    "jax._src.ad_checkpoint",
+    "jax._src.ad_util",
+    "jax._src.custom_derivatives",
+    "jax._src.callback",
+    "jax._src.debugging",
+    "jax._src.random",
+    "jax._src.prng",
+    "jax._src.shard_map",
+    "jax._src.pjit",
+    "jax._src.dispatch",
+    "jax._src.ffi",
+    "jax._src.core",
+)
+
+
+def discover_primitives() -> dict[str, list[Primitive]]:
+    """Every ``Primitive`` object JAX defines in its lax/control-flow/AD modules, by name."""
+    found: dict[str, dict[int, Primitive]] = {}
+    for module in _PRIMITIVE_MODULES:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        for value in vars(mod).values():
+            if isinstance(value, Primitive):
+                found.setdefault(value.name, {})[id(value)] = value
+    return {name: list(prims.values()) for name, prims in found.items()}
+
+
+@contextlib.contextmanager
+def no_context() -> Iterator[None]:
+    yield

@@ -1,0 +1,93 @@
+"""Which dtypes autocast may change, and how it changes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# The only dtypes autocast ever casts from or to. float64, complex, float8, integers,
+# booleans and PRNG keys are never touched.
+CASTABLE = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
+FLOAT32 = np.dtype(jnp.float32)
+
+_ALIASES = {
+    "float16": jnp.float16,
+    "f16": jnp.float16,
+    "half": jnp.float16,
+    "fp16": jnp.float16,
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+    "float32": jnp.float32,
+    "f32": jnp.float32,
+    "fp32": jnp.float32,
+    "full": jnp.float32,
+    "single": jnp.float32,
+}
+ALLOWED_COMPUTE = "float16, bfloat16 or float32 (a dtype, or one of the strings " + ", ".join(
+    repr(k) for k in _ALIASES
+) + ")"
+
+
+def canonical_compute_dtype(dtype: Any, *, argument: str = "compute_dtype") -> np.dtype:
+    """Parse a compute dtype; a ValueError that lists the allowed values otherwise."""
+    if isinstance(dtype, str):
+        key = dtype.strip().lower()
+        if key in _ALIASES:
+            return np.dtype(_ALIASES[key])
+        raise ValueError(f"{argument}={dtype!r} is not a known dtype name; allowed: {ALLOWED_COMPUTE}.")
+    try:
+        parsed = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"{argument}={dtype!r} is not a dtype; allowed: {ALLOWED_COMPUTE}.") from None
+    if parsed not in CASTABLE:
+        raise ValueError(f"{argument}={parsed.name} is not supported; allowed: {ALLOWED_COMPUTE}.")
+    return parsed
+
+
+def dtype_of(x: Any) -> np.dtype:
+    return np.dtype(getattr(x, "dtype", None) or np.result_type(x))
+
+
+def is_castable(dtype: Any) -> bool:
+    """float16, bfloat16 or float32: the dtypes mixed precision moves between."""
+    try:
+        return np.dtype(dtype) in CASTABLE
+    except TypeError:  # extended dtypes (PRNG keys) are not numpy dtypes
+        return False
+
+
+def is_floating(dtype: Any) -> bool:
+    try:
+        return jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:
+        return False
+
+
+def widest(dtypes: Any) -> np.dtype:
+    """The narrowest castable dtype that represents all of ``dtypes`` exactly."""
+    dtypes = {np.dtype(d) for d in dtypes}
+    if len(dtypes) == 1:
+        return next(iter(dtypes))
+    return FLOAT32  # {f16, bf16} or anything with f32
+
+
+def cast(x: Any, dtype: Any) -> Any:
+    """Cast ``x`` to ``dtype`` if it is castable and not already of that dtype.
+
+    Concrete float32 constants outside the float16 range saturate to its largest finite
+    value rather than becoming infinities (infinities and NaNs stay as they are) (``jnp.finfo(jnp.float32).min`` used as a mask
+    value stays a large negative number, so a fully masked softmax row does not become NaN).
+    """
+    dtype = np.dtype(dtype)
+    src = dtype_of(x)
+    if src == dtype or not is_castable(src) or not is_castable(dtype):
+        return x
+    if dtype == np.dtype(jnp.float16) and isinstance(x, (np.ndarray, np.generic, float)):
+        limit = float(jnp.finfo(jnp.float16).max)
+        x = np.asarray(x)
+        x = np.where(np.isfinite(x), np.clip(x, -limit, limit), x)
+        return np.asarray(x, dtype=dtype)
+    return lax.convert_element_type(x, dtype)

@@ -1,0 +1,199 @@
+"""The interpreter: re-evaluate a jaxpr, equation by equation, under a casting policy.
+
+For each equation the interpreter reads its operands (as they arrive: some already in
+half precision), finds the rule (``amp_stop`` first, then named scopes outermost first,
+then the primitive, then registered rules, then ``"amp_default"``), lets the rule cast the
+operands, checks what the rule returned, and binds the primitive in the equation's own
+context (source location, name stack, abstract mesh). Primitives that hold jaxprs (``jit``,
+``scan``, ``while``, ``cond``, ``checkpoint``, ``custom_jvp_call``, ``custom_vjp_call``,
+``shard_map``, ...) are not ruled on: their bodies are transformed with the same policy
+(see :mod:`autocast._higher_order`).
+
+Values are cast where a consumer needs it, never after a producer: a matmul result stays
+in half precision until an operation whose rule wants float32.
+
+Sharp edges:
+
+- A value is *free* if it is a function input, a constant or a literal, or was only
+  reshaped, broadcast, sliced or converted from free values. Free operands adapt to
+  computed ones when an operation harmonises dtypes (``use_input_precision``): this keeps a
+  float32 bias from dragging a half-precision activation to float32.
+- Custom derivative rules (``custom_jvp`` / ``custom_vjp``) are kept as they are and run
+  in the dtypes they were written for; the primal body is transformed, with its inputs and
+  outputs kept in the traced dtypes so the rules still apply.
+- Loop carries keep the dtype the initial value arrives in; branch outputs that differ
+  between ``cond`` branches are cast back to their traced dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _compat, _dtypes, _rules
+from ._policy import AMP_STOP, Lookup
+
+# Primitives whose output is only a rearrangement (or a conversion) of their float
+# operands: a value made by them from free values is free too.
+_STRUCTURAL = frozenset(
+    {
+        "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "rev", "pad",
+        "concatenate", "split", "slice", "dynamic_slice", "gather", "copy", "copy_p",
+        "convert_element_type", "sharding_constraint", "device_put", "reshard", "select_n",
+        "tile", "broadcast_to", "iota", "stop_gradient",
+    }
+)
+_SCATTERS = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"})
+
+
+class Context:
+    """What stays fixed while one function is transformed: dtype, policy, caches."""
+
+    def __init__(self, compute_dtype: np.dtype, policy: Any):
+        self.compute_dtype = compute_dtype
+        self.lookup = Lookup(policy)
+        self._jaxpr_cache: dict[Any, Any] = {}
+        self._keep_alive: list[Any] = []
+
+    def cached(self, key: tuple, jaxpr_like: Any, build):
+        """Memoise a sub-jaxpr rewrite on (jaxpr object, dtypes, scopes, ...)."""
+        full_key = (id(jaxpr_like), *key)
+        if full_key not in self._jaxpr_cache:
+            self._keep_alive.append(jaxpr_like)  # keeps id() unique while cached
+            self._jaxpr_cache[full_key] = build()
+        return self._jaxpr_cache[full_key]
+
+
+def eval_jaxpr(
+    ctx: Context,
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    free: Sequence[bool],
+    scopes: tuple[str, ...],
+) -> tuple[list[Any], list[bool]]:
+    """Evaluate an open jaxpr under ``ctx``; returns the outputs and their free flags."""
+    env: dict[Any, tuple[Any, bool]] = {}
+
+    def read(v):
+        if isinstance(v, _compat.Literal):
+            return v.val, True
+        return env[v]
+
+    for var, val in zip(jaxpr.constvars, consts):
+        env[var] = (val, True)
+    for var, val, f in zip(jaxpr.invars, args, free):
+        env[var] = (val, f)
+
+    from . import _higher_order  # circular: higher-order handlers call back into eval_jaxpr
+
+    for eqn in jaxpr.eqns:
+        read_in = [read(v) for v in eqn.invars]
+        invals = [x for x, _ in read_in]
+        in_free = [f for _, f in read_in]
+        eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
+        with _compat.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack), _compat.eqn_context(eqn):
+            if AMP_STOP in eqn_scopes:
+                outs = _bind_original(eqn, invals)
+                out_free = [False] * len(outs)
+            else:
+                handler = None if ctx.lookup.explicit(eqn.primitive) else _higher_order.handler_for(eqn)
+                if handler is not None:
+                    outs, out_free = handler(ctx, eqn, invals, in_free, eqn_scopes)
+                else:
+                    outs, out_free = _apply_rule(ctx, eqn, invals, in_free, eqn_scopes)
+        for var, val, f in zip(eqn.outvars, outs, out_free):
+            if not isinstance(var, _compat.DropVar):
+                env[var] = (val, f)
+
+    results = [read(v) for v in jaxpr.outvars]
+    return [x for x, _ in results], [f for _, f in results]
+
+
+def original_dtypes(eqn: Any) -> list[Any]:
+    return [v.aval.dtype for v in eqn.invars]
+
+
+def _bind_original(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Bind the equation exactly as traced (operands cast back to their traced dtypes)."""
+    invals = [_dtypes.cast(x, d) if _dtypes.is_castable(d) else x for x, d in zip(invals, original_dtypes(eqn))]
+    return _compat.bind(eqn.primitive, invals, dict(eqn.params))
+
+
+def _rule_name(rule: Any) -> str:
+    return getattr(rule, "__qualname__", None) or getattr(rule, "__name__", None) or repr(rule)
+
+
+def _apply_rule(ctx: Context, eqn: Any, invals: list[Any], in_free: list[bool], scopes: tuple[str, ...]):
+    prim = eqn.primitive
+    rule = ctx.lookup.rule(prim, scopes)
+    orig = original_dtypes(eqn)
+    token = _rules._free_mask.set(in_free)
+    try:
+        result = rule(ctx.compute_dtype, orig, *invals, **dict(eqn.params))
+    finally:
+        _rules._free_mask.reset(token)
+    new_invals, params = _check_rule_result(result, prim, rule, invals, orig)
+    if prim.name in _SCATTERS:
+        params = _retype_combiner(ctx, params, new_invals[0])
+    outs = _compat.bind(prim, new_invals, params)
+    structural = prim.name in _STRUCTURAL
+    floats_free = all(f for f, d in zip(in_free, orig) if _dtypes.is_castable(d))
+    return outs, [structural and floats_free] * len(outs)
+
+
+def _check_rule_result(result: Any, prim: Any, rule: Any, invals: Sequence[Any], orig: Sequence[Any]):
+    where = f"rule {_rule_name(rule)} for primitive '{prim.name}'"
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError(f"{where} must return a pair (invars, params), got {type(result).__name__}.")
+    new_invals, params = result
+    new_invals = list(new_invals)
+    if len(new_invals) != len(invals):
+        raise ValueError(f"{where} returned {len(new_invals)} operands; expected {len(invals)} (one per operand, in order).")
+    if not isinstance(params, dict):
+        try:
+            params = dict(params)
+        except (TypeError, ValueError):
+            raise TypeError(f"{where} returned params of type {type(params).__name__}; expected a dict.") from None
+    for i, (new, old, o) in enumerate(zip(new_invals, invals, orig)):
+        new_dt, old_dt = _dtype_or_none(new), _dtype_or_none(old)
+        if _dtypes.is_castable(o):
+            if new_dt is None or not _dtypes.is_floating(new_dt):
+                raise TypeError(
+                    f"{where} returned dtype {new_dt} for operand {i}, a floating operand "
+                    f"(traced as {np.dtype(o).name}); expected a floating dtype such as float16, bfloat16 or float32."
+                )
+        elif new_dt != old_dt:
+            raise TypeError(
+                f"{where} changed operand {i} from {old_dt} to {new_dt}; only float16/bfloat16/float32 "
+                f"operands may be cast (integers, booleans, keys, float64 and complex never are)."
+            )
+    return new_invals, params
+
+
+def _dtype_or_none(x: Any) -> Any:
+    dt = getattr(x, "dtype", None)
+    if dt is None:
+        try:
+            return np.result_type(x)
+        except TypeError:
+            return None
+    return dt
+
+
+def _retype_combiner(ctx: Context, params: dict[str, Any], operand: Any) -> dict[str, Any]:
+    """Scatter's scalar combiner jaxpr must have the operand's dtype."""
+    jaxpr = params.get("update_jaxpr")
+    dtype = _dtypes.dtype_of(operand)
+    if jaxpr is None or not _compat.is_jaxpr_like(jaxpr) or not jaxpr.invars or jaxpr.invars[0].aval.dtype == dtype:
+        return params
+    from ._higher_order import transform_jaxpr
+
+    open_, _ = _compat.open_and_consts(jaxpr)
+    in_dtypes = [dtype if _dtypes.is_castable(v.aval.dtype) else v.aval.dtype for v in open_.invars]
+    new, consts, _ = transform_jaxpr(ctx, jaxpr, in_dtypes, [False] * len(in_dtypes), (), out_dtypes=[dtype] * len(open_.outvars))
+    if consts:
+        return params  # a combiner that closes over values: keep the traced one
+    return dict(params, update_jaxpr=new)

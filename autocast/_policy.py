@@ -1,0 +1,226 @@
+"""Policies: which rule applies to which primitive or named scope.
+
+A policy is a mapping from a :class:`jax.extend.core.Primitive` or a ``jax.named_scope``
+name to a rule (see :mod:`autocast._rules`); the key ``"amp_default"`` names the rule for
+primitives the policy does not mention. The shipped tables are TOML files in the
+``autocast.policies`` package (``policies/`` in the repository), resolved to primitives here
+and nowhere else.
+"""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+import functools
+import importlib.resources
+import os
+import tomllib
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from . import _compat, _rules
+
+PolicyKey = _compat.Primitive | str
+AMP_DEFAULT = "amp_default"
+AMP_STOP = "amp_stop"
+
+# Rules registered with ``register_rule``: part of the default policy, and the fallback of
+# any user policy for a primitive it does not name.
+_REGISTRY: dict[_compat.Primitive, _rules.Rule] = {}
+
+
+class AmpPolicy(Mapping):
+    """A read-only policy: primitive or scope name -> rule.
+
+    Build one with :func:`load_policy` or :func:`extend_policy`; a plain ``dict`` works
+    wherever a policy is taken, too. Lookups are live: ``extend_policy`` layers sit on top of
+    their base, so rules registered later with :func:`register_rule` are seen.
+    """
+
+    def __init__(self, layers: tuple[Mapping, ...], name: str, unresolved: tuple[str, ...] = ()):
+        self._chain = collections.ChainMap(*layers)
+        self._layers = layers
+        self.name = name
+        self.unresolved = unresolved
+        """Names in the policy file that this JAX version does not define."""
+
+    def __getitem__(self, key: PolicyKey) -> _rules.Rule:
+        return self._chain[key]
+
+    def __iter__(self) -> Iterator[PolicyKey]:
+        return iter(self._chain)
+
+    def __len__(self) -> int:
+        return len(self._chain)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __repr__(self) -> str:
+        return f"AmpPolicy({self.name!r}, {len(self)} entries)"
+
+
+def validate_policy(policy: Mapping, *, argument: str = "amp_policy") -> None:
+    """Raise a TypeError naming the first bad key or rule of ``policy``."""
+    if not isinstance(policy, Mapping):
+        raise TypeError(f"{argument} must be a mapping from primitives or scope names to rules, got {type(policy).__name__}.")
+    for key, rule in policy.items():
+        if not isinstance(key, (_compat.Primitive, str)):
+            raise TypeError(
+                f"{argument} key {key!r} (a {type(key).__name__}) is neither a jax Primitive nor a "
+                f"named-scope string; use e.g. jax.lax.exp_p, 'amp_default' or 'my_scope'."
+            )
+        if not callable(rule):
+            raise TypeError(
+                f"{argument}[{_key_name(key)!r}] = {rule!r} is not callable; a rule is a function "
+                f"rule(compute_dtype, original_dtypes, *invars, **params) -> (invars, params)."
+            )
+
+
+def _key_name(key: PolicyKey) -> str:
+    return key if isinstance(key, str) else key.name
+
+
+@functools.lru_cache(maxsize=None)
+def _primitives_by_name() -> dict[str, list[_compat.Primitive]]:
+    return _compat.discover_primitives()
+
+
+def _read_table(source: str | os.PathLike) -> tuple[dict[str, Any], str]:
+    if isinstance(source, str) and os.sep not in source and not source.endswith(".toml"):
+        resource = importlib.resources.files("autocast.policies") / f"{source}.toml"
+        if not resource.is_file():
+            shipped = sorted(p.name[:-5] for p in importlib.resources.files("autocast.policies").iterdir() if p.name.endswith(".toml"))
+            raise ValueError(f"policy {source!r} is not a shipped policy; shipped: {shipped}, or pass a path to a .toml file.")
+        return tomllib.loads(resource.read_text()), source
+    with open(source, "rb") as f:
+        return tomllib.load(f), os.fspath(source)
+
+
+def table_categories(table: Mapping[str, Any], origin: str) -> tuple[dict[str, list[str]], dict[str, str], str]:
+    """Check a policy table's schema; return (category -> names, scope -> category, fallback)."""
+    if table.get("schema") != 1:
+        raise ValueError(f"policy {origin}: 'schema = 1' is required, got {table.get('schema')!r}.")
+    known = set(_rules.CATEGORIES) | {"recurse"}
+    prims = table.get("primitives", {})
+    for category, names in prims.items():
+        if category not in known:
+            raise ValueError(f"policy {origin}: unknown category {category!r} in [primitives]; allowed: {sorted(known)}.")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"policy {origin}: [primitives].{category} must be a list of primitive names.")
+    scopes = table.get("scopes", {})
+    for scope, category in scopes.items():
+        if category not in _rules.CATEGORIES:
+            raise ValueError(f"policy {origin}: scope {scope!r} has unknown category {category!r}; allowed: {sorted(_rules.CATEGORIES)}.")
+    fallback = table.get("fallback", "original")
+    if fallback not in _rules.CATEGORIES:
+        raise ValueError(f"policy {origin}: fallback {fallback!r} is not a category; allowed: {sorted(_rules.CATEGORIES)}.")
+    return prims, scopes, fallback
+
+
+def load_policy(source: str | os.PathLike = "default") -> AmpPolicy:
+    """Load a policy table: a shipped one by name (``"default"``, ``"matmul_only"``) or a
+    TOML file by path. See ``policies/README.md`` for the format.
+
+    Rules registered with :func:`register_rule` take precedence over the table.
+    """
+    table, origin = _read_table(source)
+    prims, scopes, fallback = table_categories(table, origin)
+    by_name = _primitives_by_name()
+    rules: dict[PolicyKey, _rules.Rule] = {}
+    unresolved = []
+    for category, names in prims.items():
+        if category == "recurse":
+            continue
+        for name in names:
+            found = by_name.get(name)
+            if not found:
+                unresolved.append(name)
+            for prim in found or ():
+                rules[prim] = _rules.CATEGORIES[category]
+    for scope, category in scopes.items():
+        rules[scope] = _rules.CATEGORIES[category]
+    rules[AMP_DEFAULT] = _rules.CATEGORIES[fallback]
+    name = table.get("name", origin)
+    return AmpPolicy((_REGISTRY, types.MappingProxyType(rules)), name=name, unresolved=tuple(unresolved))
+
+
+def extend_policy(rules: Mapping[PolicyKey, _rules.Rule], base: Mapping | None = None) -> AmpPolicy:
+    """A policy that is ``base`` (the default policy if omitted) with ``rules`` on top.
+
+    Example::
+
+        policy = autocast.extend_policy({"attention": autocast.use_float32_precision,
+                                         jax.lax.tanh_p: autocast.use_float32_precision})
+        loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+    """
+    validate_policy(rules, argument="rules")
+    base = default_amp_policy if base is None else base
+    validate_policy(base, argument="base")
+    layers = base._layers if isinstance(base, AmpPolicy) else (base,)
+    return AmpPolicy((types.MappingProxyType(dict(rules)), *layers), name=f"{getattr(base, 'name', 'custom')}+extended")
+
+
+def register_rule(primitive: _compat.Primitive, rule: _rules.Rule | None = None) -> Any:
+    """Register ``rule`` for ``primitive`` globally, once (usable as a decorator).
+
+    The rule becomes part of :data:`default_amp_policy` (overriding the shipped table) and
+    applies under any policy that does not name ``primitive`` itself. Use it for
+    third-party primitives, e.g. one made with ``jax.extend.core.Primitive``::
+
+        @autocast.register_rule(my_kernel_p)
+        def _(compute_dtype, original_dtypes, *invars, **params):
+            return autocast.use_compute_precision(compute_dtype, original_dtypes, *invars, **params)
+    """
+    if not isinstance(primitive, _compat.Primitive):
+        raise TypeError(f"register_rule: primitive={primitive!r} is not a jax Primitive (e.g. jax.lax.exp_p).")
+    if rule is None:
+        return functools.partial(register_rule, primitive)
+    if not callable(rule):
+        raise TypeError(f"register_rule({primitive.name}): rule={rule!r} is not callable.")
+    _REGISTRY[primitive] = rule
+    return rule
+
+
+def unregister_rule(primitive: _compat.Primitive) -> None:
+    """Remove a rule added with :func:`register_rule` (no error if there is none)."""
+    _REGISTRY.pop(primitive, None)
+
+
+default_amp_policy: AmpPolicy = load_policy("default")
+"""The shipped default policy (``policies/default.toml``) plus registered rules."""
+
+
+class Lookup:
+    """Rule lookup for one policy: scopes (outermost first), primitive, registry, default."""
+
+    def __init__(self, policy: Mapping):
+        self.policy = policy
+        self.scope_keys = [k for k in policy if isinstance(k, str) and k not in (AMP_DEFAULT,)]
+        self.default = policy.get(AMP_DEFAULT, _rules.use_original_precision)
+
+    def scope_rule(self, scopes: tuple[str, ...]) -> tuple[Callable | None, str | None]:
+        if AMP_STOP in scopes:
+            return _rules.use_original_precision, AMP_STOP
+        for scope in scopes:
+            for key in self.scope_keys:
+                if key == scope or (any(c in key for c in "*?[") and fnmatch.fnmatchcase(scope, key)):
+                    return self.policy[key], key
+        return None, None
+
+    def explicit(self, prim: _compat.Primitive) -> bool:
+        """Whether the policy (or the registry) names ``prim`` itself."""
+        return prim in self.policy or prim in _REGISTRY
+
+    def rule(self, prim: _compat.Primitive, scopes: tuple[str, ...]) -> Callable:
+        rule, _ = self.scope_rule(scopes)
+        if rule is not None:
+            return rule
+        rule = self.policy.get(prim)
+        if rule is None:
+            rule = _REGISTRY.get(prim, self.default)
+        return rule
