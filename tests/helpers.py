@@ -1,0 +1,62 @@
+"""Helpers shared by the tests: walking jaxprs recursively and reading operand dtypes."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+COMPUTE_PRIMS = ("dot_general", "conv_general_dilated")
+
+
+def _scopes(eqn: Any) -> tuple[str, ...]:
+    return tuple(e.name for e in eqn.source_info.name_stack.stack if type(e).__name__ == "Scope")
+
+
+def walk(jaxpr: Any, scopes: tuple[str, ...] = ()) -> Iterator[tuple[Any, tuple[str, ...]]]:
+    """Every equation of ``jaxpr`` and of all its sub-jaxprs, with the accumulated scopes."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        here = scopes + _scopes(eqn)
+        yield eqn, here
+        for sub in jex.jaxprs_in_params(eqn.params):
+            yield from walk(sub, here)
+
+
+def operand_dtypes(eqn: Any) -> tuple[str, ...]:
+    return tuple(str(v.aval.dtype) for v in eqn.invars)
+
+
+def compute_op_dtypes(fn, *args, **kwargs) -> collections.Counter:
+    """Count matmuls/convolutions in ``make_jaxpr(fn)`` by (primitive, lhs dtype, in amp_stop)."""
+    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    counts: collections.Counter = collections.Counter()
+    for eqn, scopes in walk(closed):
+        if eqn.primitive.name in COMPUTE_PRIMS:
+            counts[(eqn.primitive.name, operand_dtypes(eqn)[0], "amp_stop" in scopes)] += 1
+    return counts
+
+
+def float32_compute_ops_outside_stop(fn, *args, **kwargs) -> int:
+    """How many matmuls/convolutions outside ``amp_stop`` have a float32 operand."""
+    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    n = 0
+    for eqn, scopes in walk(closed):
+        if eqn.primitive.name in COMPUTE_PRIMS and "amp_stop" not in scopes:
+            if any(d == "float32" for d in operand_dtypes(eqn)):
+                n += 1
+    return n
+
+
+def tree_max_rel_err(a: Any, b: Any) -> float:
+    """max over leaves of ||a - b|| / (||b|| + tiny), in float32."""
+    errs = []
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        x = np.asarray(x, np.float32)
+        y = np.asarray(y, np.float32)
+        errs.append(float(np.linalg.norm(x - y) / (np.linalg.norm(y) + 1e-12)))
+    return max(errs) if errs else 0.0
