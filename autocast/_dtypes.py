@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import jax.numpy as jnp
@@ -74,6 +77,21 @@ def widest(dtypes: Any) -> np.dtype:
     return FLOAT32  # {f16, bf16} or anything with f32
 
 
+# One cast per (value, dtype) within one jaxpr evaluation: several consumers that need the
+# same value in float32 share one convert. Keyed by id(); the value is kept alive with it.
+_cast_memo: contextvars.ContextVar[dict | None] = contextvars.ContextVar("cast_memo", default=None)
+
+
+@contextlib.contextmanager
+def memoised_casts() -> Iterator[None]:
+    """Share casts of the same value to the same dtype within this block (one trace)."""
+    token = _cast_memo.set({})
+    try:
+        yield
+    finally:
+        _cast_memo.reset(token)
+
+
 def cast(x: Any, dtype: Any) -> Any:
     """Cast ``x`` to ``dtype`` if it is castable and not already of that dtype.
 
@@ -85,6 +103,19 @@ def cast(x: Any, dtype: Any) -> Any:
     src = dtype_of(x)
     if src == dtype or not is_castable(src) or not is_castable(dtype):
         return x
+    memo = _cast_memo.get()
+    if memo is not None:
+        key = (id(x), dtype)
+        hit = memo.get(key)
+        if hit is not None:
+            return hit[1]
+        out = _convert(x, dtype)
+        memo[key] = (x, out)
+        return out
+    return _convert(x, dtype)
+
+
+def _convert(x: Any, dtype: np.dtype) -> Any:
     if dtype == np.dtype(jnp.float16) and isinstance(x, (np.ndarray, np.generic, float)):
         limit = float(jnp.finfo(jnp.float16).max)
         x = np.asarray(x)

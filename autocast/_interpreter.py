@@ -87,6 +87,13 @@ def eval_jaxpr(
     for var, val, f in zip(jaxpr.invars, args, free):
         env[var] = (val, f)
 
+    with _dtypes.memoised_casts():
+        _eval_eqns(ctx, jaxpr, env, read, scopes)
+    results = [read(v) for v in jaxpr.outvars]
+    return [x for x, _ in results], [f for _, f in results]
+
+
+def _eval_eqns(ctx: Context, jaxpr: Any, env: dict, read, scopes: tuple[str, ...]) -> None:
     from . import _higher_order  # circular: higher-order handlers call back into eval_jaxpr
 
     for eqn in jaxpr.eqns:
@@ -107,9 +114,6 @@ def eval_jaxpr(
         for var, val, f in zip(eqn.outvars, outs, out_free):
             if not isinstance(var, _compat.DropVar):
                 env[var] = (val, f)
-
-    results = [read(v) for v in jaxpr.outvars]
-    return [x for x, _ in results], [f for _, f in results]
 
 
 def original_dtypes(eqn: Any) -> list[Any]:
