@@ -1,0 +1,274 @@
+"""Shared helpers for the benchmarks: timing, metadata, residual bytes, HLO converts.
+
+Everything here is backend-independent: the same code runs on CPU and GPU, and the
+backend is read from ``jax.devices()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+import numpy as np
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def metadata() -> dict[str, Any]:
+    """Machine, backend, library versions and date (UTC) of this run."""
+    dev = jax.devices()[0]
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        mem_gb = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{_cpu_model()}, {os.cpu_count()} cores"
+        + (f", {mem_gb:.0f} GiB RAM" if mem_gb else ""),
+        "os": platform.platform(),
+        "backend": jax.default_backend(),
+        "device": f"{dev.device_kind} x{len(jax.devices())}",
+        "python": platform.python_version(),
+        "versions": {
+            name: _version(name)
+            for name in (
+                "jax",
+                "jaxlib",
+                "equinox",
+                "optax",
+                "jax-autocast",
+                "mixed-precision-for-jax",
+                "jmp",
+                "jaxamp",
+            )
+        },
+    }
+
+
+def metadata_markdown(meta: dict[str, Any]) -> str:
+    """A short markdown bullet list of :func:`metadata`."""
+    vers = ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v)
+    return (
+        f"- date: {meta['date']}\n"
+        f"- machine: {meta['machine']} ({meta['os']})\n"
+        f"- backend: {meta['backend']} ({meta['device']})\n"
+        f"- python {meta['python']}; {vers}\n"
+    )
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as indented JSON (creating the folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def block(tree: Any) -> Any:
+    """``jax.block_until_ready`` on every array leaf of ``tree``."""
+    return jax.block_until_ready(tree)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Run ``fn()``, block on its result, return ``(seconds, result)``."""
+    t0 = time.perf_counter()
+    out = block(fn())
+    return time.perf_counter() - t0, out
+
+
+def interleaved_medians(
+    runners: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 10
+) -> dict[str, dict[str, float]]:
+    """Median wall time of each runner, calling the runners round-robin.
+
+    Each runner is called ``warmup`` times (not timed), then ``repeats`` rounds are
+    timed, one call of every runner per round, so slow drifts of a shared noisy
+    machine hit every runner alike. Returns ``{name: {median, min, iqr, n}}`` in seconds.
+    """
+    for _ in range(warmup):
+        for fn in runners.values():
+            block(fn())
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, fn in runners.items():
+            times[name].append(timed(fn)[0])
+    out = {}
+    for name, ts in times.items():
+        q = np.percentile(ts, [25, 75])
+        out[name] = {
+            "median": statistics.median(ts),
+            "min": min(ts),
+            "iqr": float(q[1] - q[0]),
+            "n": len(ts),
+        }
+    return out
+
+
+def trace_lower_compile(jitted: Any, *args: Any) -> tuple[Any, dict[str, float]]:
+    """Trace, lower and compile ``jitted`` (a ``jax.jit`` object) for ``args``.
+
+    Returns the compiled executable and the seconds spent in each stage.
+    """
+    t0 = time.perf_counter()
+    traced = jitted.trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    times = {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0}
+    return (lowered, compiled), times
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _nbytes(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def residual_bytes(f: Callable[..., Any], params: Any, *batch: Any) -> dict[str, Any]:
+    """Bytes of the residuals that ``jax.vjp`` saves for the backward pass of ``f``.
+
+    ``f(params, *batch)`` must return a scalar (the loss); only ``params`` is
+    differentiated. Residuals are read from the jaxpr of ``jax.vjp`` (as
+    ``jax.ad_checkpoint.print_saved_residuals`` does), deduplicated, and split into
+
+    - ``activation``: residuals computed from the batch (what mixed precision halves),
+    - ``param_derived``: residuals computed from the parameters alone (e.g. the
+      half-precision copies of the weights that a cast inside ``f`` creates),
+    - ``arguments``: residuals that are inputs of ``f`` (already in memory; not counted).
+
+    This is independent of the backend and of XLA's buffer assignment.
+    """
+
+    def _residuals(p, *b):
+        _, vjp_fn = jax.vjp(lambda q: f(q, *b), p)
+        return jax.tree_util.tree_leaves(vjp_fn)
+
+    closed = jax.make_jaxpr(_residuals)(params, *batch)
+    jaxpr = closed.jaxpr
+    n_param = len(jax.tree_util.tree_leaves(params))
+    batch_vars = set(jaxpr.invars[n_param:])
+    invars = set(jaxpr.invars)
+    tainted = set(batch_vars)  # vars that depend on the batch
+    for eqn in jaxpr.eqns:
+        if any((not isinstance(v, jex_core.Literal)) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    out = {"activation": 0, "param_derived": 0, "arguments": 0, "n_residuals": 0}
+    by_dtype: dict[str, int] = {}
+    seen = set()
+    for v in jaxpr.outvars:
+        if isinstance(v, jex_core.Literal) or v in seen:
+            continue
+        seen.add(v)
+        nb = _nbytes(v.aval)
+        if v in invars:
+            out["arguments"] += nb
+            continue
+        out["n_residuals"] += 1
+        key = "activation" if v in tainted else "param_derived"
+        out[key] += nb
+        if key == "activation":
+            name = str(v.aval.dtype)
+            by_dtype[name] = by_dtype.get(name, 0) + nb
+    out["activation_by_dtype"] = by_dtype
+    return out
+
+
+def compiled_memory(compiled: Any) -> dict[str, int] | None:
+    """XLA's compiled memory analysis (argument/output/temp/peak bytes), if available."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - some backends do not implement it
+        return None
+    if ma is None:
+        return None
+    keys = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+            "alias_size_in_bytes", "peak_memory_in_bytes")
+    return {k.replace("_size_in_bytes", "").replace("_in_bytes", ""): int(getattr(ma, k, 0) or 0)
+            for k in keys}
+
+
+def device_peak_bytes() -> int | None:
+    """``peak_bytes_in_use`` of the first device, where the backend reports it (GPU/TPU)."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats:
+        return None
+    return stats.get("peak_bytes_in_use")
+
+
+# ----------------------------------------------------------------------------- HLO
+
+
+_HLO_CONVERT = re.compile(r"=\s*\S+\s+convert\(")
+
+
+def count_converts(lowered: Any, compiled: Any) -> dict[str, int]:
+    """Number of convert ops before (StableHLO, what the program asks for) and after
+    XLA optimization (what the backend runs; CPU adds its own f16<->f32 converts)."""
+    stablehlo = lowered.as_text()
+    optimized = compiled.as_text()
+    return {
+        "stablehlo": stablehlo.count("stablehlo.convert"),
+        "optimized": len(_HLO_CONVERT.findall(optimized)),
+    }
+
+
+def count_eqns(jaxpr: Any) -> int:
+    """Number of equations in a (closed) jaxpr, including every sub-jaxpr."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += 1
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            n += count_eqns(sub)
+    return n
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Human-readable bytes (MiB/GiB)."""
+    if n is None:
+        return "n/a"
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def is_half(dtype: Any) -> bool:
+    """Whether ``dtype`` is float16 or bfloat16."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
