@@ -395,9 +395,16 @@ def test_all_finite(tree, expected):
 # ---------------------------------------------------------------- select_tree
 
 
-def test_select_tree_with_non_array_leaves():
+@pytest.fixture(scope="module")
+def mlp():
+    # Module scope: built before the strict-promotion fixture, like the other test
+    # files' models, so the initialisation is compiled once per session.
+    return eqx.nn.MLP(2, 2, 8, 1, key=jax.random.key(0))
+
+
+def test_select_tree_with_non_array_leaves(mlp):
     # jmp's select_tree raises on the activation-function leaf of an Equinox MLP.
-    a = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))
+    a = mlp
     b = jax.tree.map(lambda x: x + 1 if eqx.is_array(x) else x, a)
     for pred, expected in ((True, a), (False, b)):
         out = eqx.filter_jit(select_tree)(pred, a, b)

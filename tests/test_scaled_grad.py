@@ -38,8 +38,8 @@ def _assert_trees_equal(a, b):
 @pytest.fixture(scope="module")
 def mlp_data():
     rng = np.random.default_rng(0)
-    model = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0))
-    x = jnp.asarray(rng.normal(size=(16, 3)), jnp.float32)
+    model = eqx.nn.MLP(2, 2, 8, 1, key=jax.random.key(0))
+    x = jnp.asarray(rng.normal(size=(16, 2)), jnp.float32)
     y = jnp.asarray(rng.normal(size=(16, 2)), jnp.float32)
     return model, x, y
 
