@@ -65,13 +65,13 @@ def _power_of_two_exponent(value: float) -> int | None:
     return exponent - 1 if mantissa == 0.5 else None
 
 
-def _check_power_of_two(cls: str, name: str, value: float, what: str) -> None:
+def _check_power_of_two(cls: str, name: str, value: float, example: str) -> None:
     exponent = _power_of_two_exponent(value)
     if exponent is None or not _MIN_EXPONENT <= exponent <= _MAX_EXPONENT:
         raise ValueError(
-            f"{cls}: `{name}` must be {what} power of two between 2**{_MIN_EXPONENT} "
-            f"and 2**{_MAX_EXPONENT} (e.g. 2.0**15), so that scaling is exact; got "
-            f"{name}={value!r}."
+            f"{cls}: `{name}` must be a positive power of two between "
+            f"2**{_MIN_EXPONENT} and 2**{_MAX_EXPONENT} (e.g. {example}), so that "
+            f"scaling is exact; got {name}={value!r}."
         )
 
 
@@ -100,7 +100,7 @@ def _static_factor(cls: str, name: str, value: Any) -> float:
         raise ValueError(
             f"{cls}: `{name}` must be > 1{hint}; got {name}={value!r}."
         )
-    _check_power_of_two(cls, name, factor, "a")
+    _check_power_of_two(cls, name, factor, "2.0")
     return factor
 
 
@@ -163,7 +163,7 @@ def _check_scale_value(cls: str, scaler: jax.Array, low: float, high: float) -> 
     value = _concrete(scaler)
     if value is None:
         return
-    _check_power_of_two(cls, "scaler", float(value), "a positive")
+    _check_power_of_two(cls, "scaler", float(value), "2.0**15")
     if not low <= float(value) <= high:
         raise ValueError(
             f"{cls}: `scaler` must lie within [min_scaler, max_scaler] = "
@@ -400,8 +400,8 @@ class DynamicScalerState(_AbstractScalerState):
         )
         self.min_scaler = _static_float(cls, "min_scaler", min_scaler)
         self.max_scaler = _static_float(cls, "max_scaler", max_scaler)
-        _check_power_of_two(cls, "min_scaler", self.min_scaler, "a positive")
-        _check_power_of_two(cls, "max_scaler", self.max_scaler, "a positive")
+        _check_power_of_two(cls, "min_scaler", self.min_scaler, "1.0")
+        _check_power_of_two(cls, "max_scaler", self.max_scaler, "2.0**24")
         if self.min_scaler > self.max_scaler:
             raise ValueError(
                 f"{cls}: `min_scaler` must be <= `max_scaler`; got "
@@ -499,9 +499,6 @@ class NoOpScalerState(_AbstractScalerState):
     def adjust(self, grads_finite: Any) -> NoOpScalerState:
         """The same (absent) scale, with `grads_finite` recorded."""
         return self._with_finite(grads_finite)
-
-
-ScalerState = DynamicScalerState | StaticScalerState | NoOpScalerState
 
 
 # ----------------------------------------------------------------------------------

@@ -259,7 +259,9 @@ def _add_state_to_signature(wrapper: Callable, fun: Callable) -> None:
     try:
         signature = inspect.signature(fun)
     except (TypeError, ValueError):  # builtins without a signature
-        del wrapper.__wrapped__
+        signature = None
+    if signature is None or "dynamic_scaler_state" in signature.parameters:
+        del wrapper.__wrapped__  # fall back to (*args, dynamic_scaler_state, **kwargs)
         return
     params = list(signature.parameters.values())
     state = inspect.Parameter("dynamic_scaler_state", inspect.Parameter.KEYWORD_ONLY)

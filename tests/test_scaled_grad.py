@@ -1,5 +1,7 @@
 """dynamic_scale_grad / dynamic_scale_value_and_grad against jax.grad and eqx.filter_grad."""
 
+import inspect
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -142,6 +144,10 @@ def test_kwargs_are_passed_through_and_decorator_forms():
     np.testing.assert_array_equal(grads, [2.0, 2.0, 2.0])
     np.testing.assert_array_equal(grads2, [2.0, 2.0, 2.0])
     assert plain.__name__ == "plain" and plain.__doc__ == "Docstring kept."
+    # The extra keyword is in the signature, so equinox.filter_jit can bind it.
+    assert str(inspect.signature(plain)) == "(w, *, k, dynamic_scaler_state)"
+    _, (value, _) = eqx.filter_jit(plain)(w, k=jnp.float32(3.0), dynamic_scaler_state=state)
+    assert float(value) == 9.0
 
 
 # ---------------------------------------------------------------- unscaling
@@ -427,7 +433,5 @@ def test_fun_must_be_callable():
 
 
 def test_redo_default_is_zero_for_both():
-    import inspect
-
     for wrapper in (dynamic_scale_grad, dynamic_scale_value_and_grad):
         assert inspect.signature(wrapper).parameters["redo_on_nan"].default == 0
