@@ -133,7 +133,8 @@ def _transform(closed: Any, compute_dtype: np.dtype, policy: Mapping, scopes: tu
     out_dtypes = [v.aval.dtype for v in jaxpr.outvars]
 
     def run(*args):
-        outs, _ = eval_jaxpr(ctx, jaxpr, consts, args, [True] * len(args), scopes)
+        out32 = [d == _dtypes.FLOAT32 for d in out_dtypes]
+        outs, _ = eval_jaxpr(ctx, jaxpr, consts, args, [True] * len(args), scopes, out32)
         return [_dtypes.cast(x, d) if _dtypes.is_castable(d) else x for x, d in zip(outs, out_dtypes)]
 
     if remat and compute_dtype != _dtypes.FLOAT32:

@@ -62,7 +62,8 @@ def transform_jaxpr(
         out_free: list[bool] = []
 
         def fun(*args):
-            outs, free = eval_jaxpr(ctx, open_, consts, args, in_free, scopes)
+            out32 = None if out_dtypes is None else [d is not None and d == _dtypes.FLOAT32 for d in out_dtypes]
+            outs, free = eval_jaxpr(ctx, open_, consts, args, in_free, scopes, out32)
             if out_dtypes is not None:
                 outs = [x if d is None else _dtypes.cast(x, d) for x, d in zip(outs, out_dtypes)]
             out_free[:] = free

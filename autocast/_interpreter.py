@@ -73,8 +73,13 @@ def eval_jaxpr(
     args: Sequence[Any],
     free: Sequence[bool],
     scopes: tuple[str, ...],
+    out_float32: Sequence[bool] | None = None,
 ) -> tuple[list[Any], list[bool]]:
-    """Evaluate an open jaxpr under ``ctx``; returns the outputs and their free flags."""
+    """Evaluate an open jaxpr under ``ctx``; returns the outputs and their free flags.
+
+    ``out_float32[i]`` says that output ``i`` will be cast to float32 by the caller (so
+    computing it in float32 costs nothing extra).
+    """
     env: dict[Any, tuple[Any, bool]] = {}
 
     def read(v):
@@ -87,30 +92,83 @@ def eval_jaxpr(
     for var, val, f in zip(jaxpr.invars, args, free):
         env[var] = (val, f)
 
+    plan = _plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars))
     with _dtypes.memoised_casts():
-        _eval_eqns(ctx, jaxpr, env, read, scopes)
+        _eval_eqns(ctx, jaxpr, plan, env, read, scopes)
     results = [read(v) for v in jaxpr.outvars]
     return [x for x, _ in results], [f for _, f in results]
 
 
-def _eval_eqns(ctx: Context, jaxpr: Any, env: dict, read, scopes: tuple[str, ...]) -> None:
+_STOP, _HIGHER, _RULE = "stop", "higher", "rule"
+
+
+def _plan(ctx: Context, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> list[tuple[str, Any]]:
+    """For each equation: how it is evaluated, and with which rule.
+
+    ``use_input_precision`` equations whose results are only consumed in float32 (by a
+    float32-rule operation, by an operation mixing them with a float32 result, or as a
+    float32 output) are switched to float32: ``x - max(x)`` in a softmax is then computed
+    from the half-precision logits in float32 instead of being rounded to half first.
+    """
     from . import _higher_order  # circular: higher-order handlers call back into eval_jaxpr
 
+    plan: list[tuple[str, Any]] = []
+    f32_made: set = set()  # vars computed in float32 by a float32 rule (or derived from one)
     for eqn in jaxpr.eqns:
+        eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
+        if AMP_STOP in eqn_scopes:
+            plan.append((_STOP, None))
+            continue
+        handler = None if ctx.lookup.explicit(eqn.primitive) else _higher_order.handler_for(eqn)
+        if handler is not None:
+            plan.append((_HIGHER, handler))
+            continue
+        rule = ctx.lookup.rule(eqn.primitive, eqn_scopes)
+        plan.append((_RULE, rule))
+        ins = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
+        if rule is _rules.use_float32_precision or (
+            rule is _rules.use_input_precision and any(v in f32_made for v in ins)
+        ):
+            f32_made.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
+
+    # Backward: which float vars are consumed only in float32.
+    wants32: dict[Any, bool] = {}
+    for v, is32 in zip(jaxpr.outvars, out_float32):
+        if not isinstance(v, _compat.Literal):
+            wants32[v] = wants32.get(v, True) and bool(is32)
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn, (kind, rule) = jaxpr.eqns[i], plan[i]
+        pulls = False
+        if kind == _RULE and rule is _rules.use_float32_precision:
+            pulls = True
+        elif kind == _RULE and rule is _rules.use_input_precision:
+            float_outs = [v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype)]
+            if float_outs and all(wants32.get(v, False) for v in float_outs):
+                pulls = True
+                plan[i] = (_RULE, _rules.use_float32_precision)
+            elif any(v in f32_made for v in eqn.invars if not isinstance(v, _compat.Literal)):
+                pulls = True  # mixes with a float32 result: runs in float32 anyway
+        for v in eqn.invars:
+            if isinstance(v, _compat.Literal) or not _dtypes.is_castable(v.aval.dtype):
+                continue
+            wants32[v] = wants32.get(v, True) and pulls
+    return plan
+
+
+def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, env: dict, read, scopes: tuple[str, ...]) -> None:
+    for eqn, (kind, rule) in zip(jaxpr.eqns, plan):
         read_in = [read(v) for v in eqn.invars]
         invals = [x for x, _ in read_in]
         in_free = [f for _, f in read_in]
         eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
         with _compat.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack), _compat.eqn_context(eqn):
-            if AMP_STOP in eqn_scopes:
+            if kind == _STOP:
                 outs = _bind_original(eqn, invals)
                 out_free = [False] * len(outs)
+            elif kind == _HIGHER:
+                outs, out_free = rule(ctx, eqn, invals, in_free, eqn_scopes)
             else:
-                handler = None if ctx.lookup.explicit(eqn.primitive) else _higher_order.handler_for(eqn)
-                if handler is not None:
-                    outs, out_free = handler(ctx, eqn, invals, in_free, eqn_scopes)
-                else:
-                    outs, out_free = _apply_rule(ctx, eqn, invals, in_free, eqn_scopes)
+                outs, out_free = _apply_rule(ctx, eqn, rule, invals, in_free)
         for var, val, f in zip(eqn.outvars, outs, out_free):
             if not isinstance(var, _compat.DropVar):
                 env[var] = (val, f)
@@ -130,9 +188,8 @@ def _rule_name(rule: Any) -> str:
     return getattr(rule, "__qualname__", None) or getattr(rule, "__name__", None) or repr(rule)
 
 
-def _apply_rule(ctx: Context, eqn: Any, invals: list[Any], in_free: list[bool], scopes: tuple[str, ...]):
+def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: list[bool]):
     prim = eqn.primitive
-    rule = ctx.lookup.rule(prim, scopes)
     orig = original_dtypes(eqn)
     token = _rules._free_mask.set(in_free)
     try:

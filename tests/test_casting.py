@@ -95,11 +95,24 @@ def test_activations_stay_half_between_matmuls():
 def test_scalar_constants_do_not_upcast_half_tensors():
     def f(x, w):
         h = x @ w
-        return h / np.sqrt(8.0) + 0.5 * h - 1.0
+        return (h / np.sqrt(8.0) + 0.5 * h - 1.0) @ w  # feeds a matmul: stays half
 
     for eqn, _ in _eqns(amp(f), jnp.ones((2, 8)), jnp.ones((8, 8))):
         if eqn.primitive.name in ("div", "mul", "sub", "add"):
             assert operand_dtypes(eqn) in (("float16", "float16"),), (eqn.primitive.name, operand_dtypes(eqn))
+
+
+def test_elementwise_ops_consumed_only_in_float32_run_in_float32():
+    """softmax(x @ w): the shift x - max(x) feeds only exp (float32), so it is computed from
+    the half-precision logits in float32 rather than rounded to half first."""
+
+    def f(x, w):
+        return jax.nn.softmax((x @ w) @ w, axis=-1) @ w
+
+    subs = [e for e, _ in _eqns(amp(f), jnp.ones((2, 8)), jnp.ones((8, 8))) if e.primitive.name == "sub"]
+    assert [operand_dtypes(e) for e in subs] == [("float32", "float32")]
+    dots = [e for e, _ in _eqns(amp(f), jnp.ones((2, 8)), jnp.ones((8, 8))) if e.primitive.name == "dot_general"]
+    assert all(operand_dtypes(e) == ("float16", "float16") for e in dots)
 
 
 def test_computed_float32_statistic_is_not_rounded_to_half():
