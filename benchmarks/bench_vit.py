@@ -483,7 +483,7 @@ def summarise(shape: str, sizes: dict[int, dict[str, Any]]) -> list[str]:
               "| batch | act. fp32/autocast-f16 | act. fp32/autocast-f16-noremat | "
               "act. fp32/mpx-f16 | act. fp32/jmp-f16 | act. fp32/autocast-bf16 "
               "| step autocast-f16/mpx-f16 | step autocast-bf16/mpx-bf16 | "
-              "step autocast-f16/fp32 | compile autocast-f16/fp32 |",
+              "step autocast-f16/fp32 | compile autocast-f16/fp32 (wall; CPU) |",
               "|---|---|---|---|---|---|---|---|---|---|"]
 
     def g(res, name, *path):
@@ -496,6 +496,7 @@ def summarise(shape: str, sizes: dict[int, dict[str, Any]]) -> list[str]:
         act = lambda n: g(res, n, "residuals", "activation")  # noqa: E731
         st = lambda n: g(res, n, "step_s", "median")  # noqa: E731
         ct = lambda n: g(res, n, "compile_s", "total")  # noqa: E731
+        cc = lambda n: g(res, n, "compile_s", "total_cpu")  # noqa: E731
         lines.append(
             f"| {bs} | {_fmt(_ratio(act('fp32'), act('autocast-f16')), '.2f', 'x')} | "
             f"{_fmt(_ratio(act('fp32'), act('autocast-f16-noremat')), '.2f', 'x')} | "
@@ -505,7 +506,8 @@ def summarise(shape: str, sizes: dict[int, dict[str, Any]]) -> list[str]:
             f"{_fmt(_ratio(st('autocast-f16'), st('mpx-f16')), '.3f')} | "
             f"{_fmt(_ratio(st('autocast-bf16'), st('mpx-bf16')), '.3f')} | "
             f"{_fmt(_ratio(st('autocast-f16'), st('fp32')), '.3f')} | "
-            f"{_fmt(_ratio(ct('autocast-f16'), ct('fp32')), '.2f')} |")
+            f"{_fmt(_ratio(ct('autocast-f16'), ct('fp32')), '.2f')}; "
+            f"{_fmt(_ratio(cc('autocast-f16'), cc('fp32')), '.2f')} |")
     return lines
 
 

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Re-create every file in benchmarks/results/ (about 30 min on a 2-core CPU).
+# Run from the repo root, in an environment with `pip install -e ".[demo]"`.
+set -euo pipefail
+PY=${PYTHON:-python}
+$PY -m benchmarks.demo
+$PY -m benchmarks.bench_vit --quick
+$PY -m benchmarks.bench_vit --shape desktop --sizes 8 16 32 64 --repeats 5 --warmup 1
+$PY -m benchmarks.bench_vit --shape base --sizes 1 2 --repeats 3 --warmup 1
+$PY -m benchmarks.bench_overhead
