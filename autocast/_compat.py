@@ -143,6 +143,22 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def wrap_jaxpr_thunk(thunk: Any, transform: Callable[[Any, list[Any]], tuple[Any, list[Any]]]) -> Any:
+    """Wrap a custom-derivative thunk (``fwd_jaxpr_thunk`` of ``custom_vjp_call``,
+    ``jvp_jaxpr_fun`` of ``custom_jvp_call``) so that the ``(jaxpr, consts, ...)`` it
+    returns goes through ``transform(jaxpr, consts) -> (jaxpr, consts)``.
+
+    JAX 0.10: both are ``lu.WrappedFun`` called with the symbolic-zero flags.
+    """
+
+    def wrapped(*zeros):
+        jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
+        new_jaxpr, new_consts = transform(jaxpr, list(consts))
+        return (new_jaxpr, new_consts, *rest)
+
+    return jex_lu.wrap_init(wrapped, debug_info=thunk.debug_info)
+
+
 # --- primitives the interpreter treats specially ----------------------------------------
 
 

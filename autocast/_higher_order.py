@@ -111,6 +111,36 @@ def _generic(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple)
     return outs, [False] * len(outs)
 
 
+# --- custom derivatives: the body and the rules, with the traced boundary types ---------
+
+
+def _custom_derivative(thunk_param: str) -> Handler:
+    """``custom_jvp_call`` / ``custom_vjp_call``: the generic path for the primal body, and
+    the JVP rule / forward rule transformed the same way when JAX asks for it under AD, so
+    matmuls inside them run in the compute dtype too. Their inputs and outputs (including
+    ``custom_vjp`` residuals) keep the traced dtypes, so the user's rules apply unchanged."""
+
+    def handler(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple):
+        thunk = eqn.params.get(thunk_param)
+        if thunk is None or not hasattr(thunk, "call_wrapped"):
+            return _generic(ctx, eqn, invals, in_free, scopes)
+
+        def transform(jaxpr: Any, consts: list) -> tuple[Any, list]:
+            in_avals = [v.aval for v in jaxpr.invars]
+            out_dtypes = [v.aval.dtype for v in jaxpr.outvars]
+
+            def fun(*args):
+                outs, _ = eval_jaxpr(ctx, jaxpr, consts, args, [False] * len(args), scopes, [d == _dtypes.FLOAT32 for d in out_dtypes])
+                return [_dtypes.cast(x, d) if _dtypes.is_castable(d) else x for x, d in zip(outs, out_dtypes)]
+
+            return _compat.trace_to_jaxpr(fun, in_avals)
+
+        new_eqn = eqn.replace(params={**eqn.params, thunk_param: _compat.wrap_jaxpr_thunk(thunk, transform)})
+        return _generic(ctx, new_eqn, invals, in_free, scopes)
+
+    return handler
+
+
 # --- call-like primitives: specialise the body to the incoming dtypes ----------------------
 
 
@@ -210,6 +240,9 @@ _HANDLERS: dict[Any, Handler] = {}
 for _prim, _param in ((_compat.jit_p, "jaxpr"), (_compat.closed_call_p, "call_jaxpr"), (_compat.remat_p, "jaxpr")):
     if _prim is not None:
         _HANDLERS[_prim] = _call_like(_param)
+for _prim, _param in ((_compat.custom_jvp_call_p, "jvp_jaxpr_fun"), (_compat.custom_vjp_call_p, "fwd_jaxpr_thunk")):
+    if _prim is not None:
+        _HANDLERS[_prim] = _custom_derivative(_param)
 for _prim, _handler in ((_compat.scan_p, _scan), (_compat.while_p, _while), (_compat.cond_p, _cond), (_compat.shard_map_p, _shard_map)):
     if _prim is not None:
         _HANDLERS[_prim] = _handler
