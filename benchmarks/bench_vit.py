@@ -546,7 +546,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="desktop")
     ap.add_argument("--sizes", type=int, nargs="+", help="batch sizes to sweep")
     ap.add_argument("--quick", action="store_true",
-                    help="desktop shape, batch 16, 5 rounds (< 2 min on CPU)")
+                    help="desktop shape, batch 8, 1 warm-up + 3 rounds (< 2 min on CPU)")
     ap.add_argument("--systems", nargs="+", choices=ALL_SYSTEMS,
                     help="default: all (--quick: all but autocast-f16-noremat)")
     ap.add_argument("--repeats", type=int, help="timed rounds per batch size")
@@ -566,8 +566,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.quick:
         args.shape = "desktop"
-        sizes = args.sizes or [16]
-        repeats = args.repeats or 5
+        sizes = args.sizes or [8]
+        repeats = args.repeats or 3
+        args.warmup = 1
     else:
         sizes = args.sizes or ([8, 16, 32, 64] if args.shape == "desktop" else [1, 2])
         repeats = args.repeats or (10 if args.shape == "desktop" else 3)
