@@ -1,0 +1,268 @@
+"""Real Flax models (Linen and NNX), built from Flax's own layers, trained under ``amp``.
+
+Same protocol as ``test_models_equinox.py`` (whose harness this reuses): a few optax
+steps under ``jax.jit`` with ``jax.value_and_grad(amp(loss))``, compared with the float32
+run of the same model, initialisation and data.
+
+- Linen: a CNN with ``nn.Conv`` + ``nn.BatchNorm`` (``batch_stats`` as mutable state), and a
+  causal transformer whose blocks are stacked with ``nn.scan`` over ``nn.remat``.
+- NNX: a CNN with ``nnx.BatchNorm`` through ``nnx.split`` / ``nnx.merge`` (parameters and
+  batch statistics as separate pytrees), and an MLP with ``nnx.LayerNorm`` passed to
+  ``amp`` directly (NNX modules are pytrees).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from test_models_equinox import (
+    BN_TOL,
+    FAST_COMPILE,
+    HALF_DTYPES,
+    TOL,
+    Case,
+    Tol,
+    check_close_to_float32,
+    check_compute_ops_half,
+    check_dtypes_preserved,
+    check_loss_decreases,
+)
+
+B, N_CLASSES = 8, 4
+VOCAB, SEQ, DIM = 24, 8, 16
+
+_jax_vg = functools.partial(jax.value_and_grad, has_aux=True)
+
+
+def _xent(logits, labels):
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _flax_case(name, params, state, batch, loss_fn, tol, **kw) -> Case:
+    return Case(name, params, state, batch, loss_fn, tol, jit=functools.partial(jax.jit, compiler_options=FAST_COMPILE), value_and_grad=_jax_vg, **kw)
+
+
+# --- Linen CNN with BatchNorm ------------------------------------------------------------
+
+
+class LinenCNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Conv(8, (3, 3))(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+        x = nn.Conv(16, (3, 3), strides=2)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+        return nn.Dense(N_CLASSES)(jnp.mean(x, axis=(1, 2)))
+
+
+# Convolutions followed by BatchNorm: see BN_TOL in test_models_equinox.py.
+LINEN_CNN_TOL = BN_TOL
+
+
+def linen_cnn_batchnorm() -> Case:
+    k_init, k_x, k_y = jax.random.split(jax.random.key(10), 3)
+    model = LinenCNN()
+    x = jax.random.normal(k_x, (B, 8, 8, 3))
+    y = jax.random.randint(k_y, (B,), 0, N_CLASSES)
+    variables = model.init(k_init, x, train=False)
+
+    def loss_fn(params, batch_stats, batch):
+        x, y = batch
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
+        )
+        return _xent(logits, y), updates["batch_stats"]
+
+    return _flax_case("linen Conv+BatchNorm", variables["params"], variables["batch_stats"], (x, y), loss_fn, LINEN_CNN_TOL)
+
+
+# --- Linen transformer: nn.scan over nn.remat blocks -------------------------------------
+
+
+class LinenBlock(nn.Module):
+    dim: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x, _):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=mask)
+        h = nn.Dense(self.dim)(nn.gelu(nn.Dense(2 * self.dim)(nn.LayerNorm()(x))))
+        return x + h, None
+
+
+class LinenTransformer(nn.Module):
+    depth: int = 2
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(VOCAB, DIM)(tokens)
+        x = x + self.param("pos", nn.initializers.normal(0.02), (SEQ, DIM))
+        Stack = nn.scan(
+            nn.remat(LinenBlock),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.depth,
+        )
+        x, _ = Stack(DIM, 2)(x, None)
+        return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+LINEN_TRANSFORMER_TOL = TOL
+
+
+def linen_transformer() -> Case:
+    k_init, k_x = jax.random.split(jax.random.key(11))
+    model = LinenTransformer()
+    tokens = jax.random.randint(k_x, (B, SEQ + 1), 0, VOCAB)
+    params = model.init(k_init, tokens[:, :-1])["params"]
+
+    def loss_fn(params, state, tokens):
+        logits = model.apply({"params": params}, tokens[:, :-1])
+        return _xent(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)), state
+
+    return _flax_case("linen Transformer (nn.scan+nn.remat)", params, None, tokens, loss_fn, LINEN_TRANSFORMER_TOL)
+
+
+# --- NNX CNN with BatchNorm, through nnx.split / nnx.merge ------------------------------
+
+
+class NNXCNN(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+        self.bn1 = nnx.BatchNorm(8, momentum=0.9, rngs=rngs)
+        self.conv2 = nnx.Conv(8, 16, (3, 3), strides=2, rngs=rngs)
+        self.bn2 = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+        self.head = nnx.Linear(16, N_CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.bn1(self.conv1(x)))
+        x = nnx.relu(self.bn2(self.conv2(x)))
+        return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+NNX_CNN_TOL = LINEN_CNN_TOL
+
+
+def nnx_cnn_split_merge() -> Case:
+    k_x, k_y = jax.random.split(jax.random.key(12))
+    model = NNXCNN(nnx.Rngs(12))
+    model.train()
+    graphdef, params, batch_stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+    x = jax.random.normal(k_x, (B, 8, 8, 3))
+    y = jax.random.randint(k_y, (B,), 0, N_CLASSES)
+
+    def loss_fn(params, batch_stats, batch):
+        x, y = batch
+        model = nnx.merge(graphdef, params, batch_stats, copy=True)
+        loss = _xent(model(x), y)
+        _, _, new_stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+        return loss, new_stats
+
+    return _flax_case("nnx Conv+BatchNorm (split/merge)", params, batch_stats, (x, y), loss_fn, NNX_CNN_TOL)
+
+
+# --- NNX MLP passed directly (an NNX module is a pytree) ---------------------------------
+
+
+class NNXMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(16, 32, rngs=rngs)
+        self.ln = nnx.LayerNorm(32, rngs=rngs)
+        self.l2 = nnx.Linear(32, 32, rngs=rngs)
+        self.l3 = nnx.Linear(32, N_CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.gelu(self.ln(self.l1(x)))
+        return self.l3(nnx.gelu(self.l2(x)))
+
+
+NNX_MLP_TOL = TOL
+
+
+def nnx_mlp_pytree() -> Case:
+    k_x, k_y = jax.random.split(jax.random.key(13))
+    model = NNXMLP(nnx.Rngs(13))
+    x = jax.random.normal(k_x, (B, 16))
+    y = jax.random.randint(k_y, (B,), 0, N_CLASSES)
+
+    def loss_fn(model, state, batch):
+        x, y = batch
+        return _xent(model(x), y), state
+
+    return _flax_case("nnx MLP+LayerNorm (module as pytree)", model, None, (x, y), loss_fn, NNX_MLP_TOL)
+
+
+MODELS = [linen_cnn_batchnorm, linen_transformer, nnx_cnn_split_merge, nnx_mlp_pytree]
+PARAMS = [pytest.param(f, d, id=f"{f.__name__}-{d}") for f in MODELS for d in HALF_DTYPES]
+
+
+@pytest.mark.parametrize("factory,dtype_name", PARAMS)
+def test_every_matmul_and_conv_is_half(factory, dtype_name):
+    check_compute_ops_half(factory, dtype_name)
+
+
+@pytest.mark.parametrize("factory,dtype_name", PARAMS)
+def test_loss_and_grads_close_to_float32(factory, dtype_name):
+    check_close_to_float32(factory, dtype_name)
+
+
+@pytest.mark.parametrize("factory,dtype_name", PARAMS)
+def test_loss_decreases(factory, dtype_name):
+    check_loss_decreases(factory, dtype_name)
+
+
+@pytest.mark.parametrize("factory,dtype_name", PARAMS)
+def test_grads_params_and_state_keep_dtypes(factory, dtype_name):
+    check_dtypes_preserved(factory, dtype_name)
+
+
+def test_linen_transformer_keeps_scan_and_remat():
+    """The transformed jaxpr still has the layer ``scan`` and the ``nn.remat`` checkpoint
+    inside it, with the matmuls of the block in half precision *inside* the scan body."""
+    import autocast
+    from helpers import walk
+
+    case = linen_transformer()
+    fn = autocast.amp(lambda p, t: case.loss_fn(p, None, t)[0])
+    forward = jax.make_jaxpr(fn)(case.params, case.batch)
+    closed = jax.make_jaxpr(jax.grad(fn))(case.params, case.batch)
+    scans = [e for e, _ in walk(closed) if e.primitive.name == "scan"]
+    assert len(scans) >= 2, "the nn.scan over layers (forward and backward) disappeared"
+    inner = [
+        (e.primitive.name, str(e.invars[0].aval.dtype))
+        for s in scans
+        for e, _ in walk(s.params["jaxpr"])
+        if e.primitive.name == "dot_general"
+    ]
+    assert inner and all(dt == "float16" for _, dt in inner), inner
+    fwd_scans = [e for e, _ in walk(forward) if e.primitive.name == "scan"]
+    remats = [e for s in fwd_scans for e, _ in walk(s.params["jaxpr"]) if e.primitive.name in ("checkpoint", "remat2", "remat")]
+    assert remats, "nn.remat's checkpoint inside the scanned block disappeared"
+
+
+def test_linen_nn_remat_still_recomputes_under_amp():
+    """``nn.remat`` means: save only the block's inputs, recompute the rest in the backward
+    pass. Under amp the backward pass must still recompute the block's matmuls, as in
+    float32 (same number of matmuls in the gradient's jaxpr); see
+    test_higher_order.py::test_user_checkpoint_still_recomputes_its_matmuls."""
+    import autocast
+    from helpers import compute_op_dtypes
+
+    case = linen_transformer()
+    loss = lambda p, t: case.loss_fn(p, None, t)[0]
+
+    def n_dots(fn):
+        return sum(n for (prim, _, _), n in compute_op_dtypes(jax.grad(fn), case.params, case.batch).items() if prim == "dot_general")
+
+    want, got = n_dots(loss), n_dots(autocast.amp(loss))
+    assert got == want, f"amp: {got} matmuls in jax.grad, float32: {want}; nn.remat's block is no longer recomputed"
