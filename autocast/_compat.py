@@ -26,7 +26,8 @@ Jaxpr = jex_core.Jaxpr
 ClosedJaxpr = jex_core.ClosedJaxpr
 Literal = jex_core.Literal
 Var = jex_core.Var
-DropVar = jex_core.DropVar
+# JAX >= 0.10 exports DropVar from jax.extend.core; 0.9.x only from jax._src.core.
+DropVar = getattr(jex_core, "DropVar", None) or importlib.import_module("jax._src.core").DropVar
 primitives = jex_core.primitives
 
 user_context = jex_siu.user_context

@@ -23,8 +23,16 @@ def walk(jaxpr: Any, scopes: tuple[str, ...] = ()) -> Iterator[tuple[Any, tuple[
     for eqn in jaxpr.eqns:
         here = scopes + _scopes(eqn)
         yield eqn, here
-        for sub in jex.jaxprs_in_params(eqn.params):
+        for sub in _jaxprs_in_params(eqn.params):
             yield from walk(sub, here)
+
+
+def _jaxprs_in_params(params: dict) -> Iterator[Any]:
+    # jax.extend.core.jaxprs_in_params is JAX >= 0.10 only; this covers both.
+    for val in params.values():
+        for v in val if type(val) is tuple else (val,):
+            if isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr)):
+                yield v
 
 
 def operand_dtypes(eqn: Any) -> tuple[str, ...]:
