@@ -20,12 +20,26 @@ def _shipped():
     return {p.name[:-5]: tomllib.loads(p.read_text()) for p in root.iterdir() if p.name.endswith(".toml")}
 
 
+# Names the default table lists that exist in only some supported JAX releases (checked on
+# 0.9.2 and 0.10.2 by .ci/jax_versions.sh). Any other unresolved name is a typo.
+_VERSION_SPECIFIC = {
+    # JAX 0.9 only
+    "ag_start", "ag_done", "iota_2x32_shape", "random_wrap", "random_unwrap",
+    # JAX 0.10 only
+    "ormqr", "mulhi", "stack", "unstack", "all_gather_start", "all_gather_done",
+    "all_gather_reduced_start", "all_to_all_start", "all_to_all_done", "ppermute_start",
+    "ppermute_done", "psum_start", "psum_done", "psum_invariant_start", "pbroadcast_start",
+    "pbroadcast_done", "reduce_scatter_start", "reduce_scatter_done", "unreduced_psum_start",
+    "unreduced_reduce_scatter_start", "get", "swap", "stage", "call_hi_primitive",
+}
+
+
 def test_shipped_tables_load_and_every_name_resolves():
     tables = _shipped()
     assert {"default", "matmul_only"} <= set(tables)
     for name in tables:
         policy = autocast.load_policy(name)
-        assert policy.unresolved == (), (name, policy.unresolved)
+        assert set(policy.unresolved) <= _VERSION_SPECIFIC, (name, sorted(set(policy.unresolved) - _VERSION_SPECIFIC))
         assert policy["amp_stop"] is autocast.use_original_precision
 
 
