@@ -213,8 +213,19 @@ def _xent(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def _labels(key, n=B, classes=N_CLASSES):
-    return jax.random.randint(key, (n,), 0, classes)
+# Data from NumPy, models initialised under one jit: eager jax.random calls compile a
+# program per shape, which costs more than everything else in these tests.
+def normal(seed, shape):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
+
+
+def integers(seed, high, shape):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, high, shape, dtype=np.int32))
+
+
+def jit_init(make, *args):
+    """``make(*args)`` (a model constructor taking a PRNG key) under ``eqx.filter_jit``."""
+    return eqx.filter_jit(make, compiler_options=FAST_COMPILE)(*args)
 
 
 # Tolerances against float32, chosen from the measured errors (docs_models.md,
@@ -236,10 +247,8 @@ CNN_TOL = BN_TOL
 
 def eqx_mlp() -> Case:
     """``eqx.nn.MLP`` classifier."""
-    k_model, k_x, k_y = jax.random.split(jax.random.key(0), 3)
-    model = eqx.nn.MLP(16, N_CLASSES, width_size=32, depth=2, activation=jax.nn.gelu, key=k_model)
-    x = jax.random.normal(k_x, (B, 16))
-    y = _labels(k_y)
+    model = jit_init(lambda k: eqx.nn.MLP(16, N_CLASSES, width_size=32, depth=2, activation=jax.nn.gelu, key=k), jax.random.key(0))
+    x, y = normal(0, (B, 16)), integers(0, N_CLASSES, (B,))
 
     def loss_fn(model, state, batch):
         x, y = batch
@@ -275,10 +284,8 @@ class ConvBN(eqx.Module):
 
 def eqx_cnn_batchnorm() -> Case:
     """``eqx.nn.Conv2d`` + ``eqx.nn.BatchNorm`` with ``eqx.nn.State`` (batch statistics)."""
-    k_model, k_x, k_y = jax.random.split(jax.random.key(1), 3)
-    model, state = eqx.nn.make_with_state(ConvBN)(k_model)
-    x = jax.random.normal(k_x, (B, 3, 8, 8))
-    y = _labels(k_y)
+    model, state = jit_init(eqx.nn.make_with_state(ConvBN), jax.random.key(1))
+    x, y = normal(1, (B, 3, 8, 8)), integers(1, N_CLASSES, (B,))
 
     def loss_fn(model, state, batch):
         x, y = batch
@@ -334,10 +341,8 @@ class ViT(eqx.Module):
 
 def eqx_vit() -> Case:
     """Small ViT: ``Conv2d`` patches, ``MultiheadAttention`` + ``LayerNorm`` blocks."""
-    k_model, k_x, k_y = jax.random.split(jax.random.key(2), 3)
-    model = ViT(k_model)
-    x = jax.random.normal(k_x, (B, 3, 8, 8))
-    y = _labels(k_y)
+    model = jit_init(ViT, jax.random.key(2))
+    x, y = normal(2, (B, 3, 8, 8)), integers(2, N_CLASSES, (B,))
 
     def loss_fn(model, state, batch):
         x, y = batch
@@ -376,9 +381,8 @@ class LSTMLM(eqx.Module):
 
 def eqx_lstm_embedding() -> Case:
     """``eqx.nn.Embedding`` -> ``eqx.nn.LSTMCell`` under ``lax.scan``: next-token model."""
-    k_model, k_x = jax.random.split(jax.random.key(3))
-    model = LSTMLM(k_model)
-    tokens = jax.random.randint(k_x, (B, SEQ + 1), 0, VOCAB)
+    model = jit_init(LSTMLM, jax.random.key(3))
+    tokens = integers(3, VOCAB, (B, SEQ + 1))
 
     def loss_fn(model, state, tokens):
         logits = jax.vmap(model)(tokens[:, :-1])
@@ -403,9 +407,8 @@ class GRURegressor(eqx.Module):
 
 def eqx_gru() -> Case:
     """``eqx.nn.GRUCell`` under ``lax.scan``: sequence regression (MSE)."""
-    k_model, k_x, k_y = jax.random.split(jax.random.key(4), 3)
-    model = GRURegressor(k_model)
-    xs = jax.random.normal(k_x, (B, SEQ, 4))
+    model = jit_init(GRURegressor, jax.random.key(4))
+    xs = normal(4, (B, SEQ, 4))
     y = jnp.sum(xs[:, :, 0], axis=1) / SEQ + 0.5
 
     def loss_fn(model, state, batch):

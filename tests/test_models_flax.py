@@ -26,6 +26,8 @@ from test_models_equinox import (
     FAST_COMPILE,
     HALF_DTYPES,
     TOL,
+    integers,
+    normal,
     Case,
     Tol,
     check_close_to_float32,
@@ -44,6 +46,17 @@ def _xent(logits, labels):
     import optax
 
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _jit_init(init, *args):
+    return jax.jit(init, compiler_options=FAST_COMPILE)(*args)
+
+
+def _nnx_init(make):
+    """``make()`` (builds an NNX module) with its initialisers run under one jit."""
+    graphdef, _ = nnx.split(nnx.eval_shape(make))
+    state = jax.jit(lambda: nnx.split(make())[1], compiler_options=FAST_COMPILE)()
+    return nnx.merge(graphdef, state)
 
 
 def _flax_case(name, params, state, batch, loss_fn, tol, **kw) -> Case:
@@ -68,11 +81,9 @@ LINEN_CNN_TOL = BN_TOL
 
 
 def linen_cnn_batchnorm() -> Case:
-    k_init, k_x, k_y = jax.random.split(jax.random.key(10), 3)
     model = LinenCNN()
-    x = jax.random.normal(k_x, (B, 8, 8, 3))
-    y = jax.random.randint(k_y, (B,), 0, N_CLASSES)
-    variables = model.init(k_init, x, train=False)
+    x, y = normal(10, (B, 8, 8, 3)), integers(10, N_CLASSES, (B,))
+    variables = _jit_init(functools.partial(model.init, train=False), jax.random.key(10), x)
 
     def loss_fn(params, batch_stats, batch):
         x, y = batch
@@ -121,10 +132,9 @@ LINEN_TRANSFORMER_TOL = TOL
 
 
 def linen_transformer() -> Case:
-    k_init, k_x = jax.random.split(jax.random.key(11))
     model = LinenTransformer()
-    tokens = jax.random.randint(k_x, (B, SEQ + 1), 0, VOCAB)
-    params = model.init(k_init, tokens[:, :-1])["params"]
+    tokens = integers(11, VOCAB, (B, SEQ + 1))
+    params = _jit_init(model.init, jax.random.key(11), tokens[:, :-1])["params"]
 
     def loss_fn(params, state, tokens):
         logits = model.apply({"params": params}, tokens[:, :-1])
@@ -154,12 +164,10 @@ NNX_CNN_TOL = LINEN_CNN_TOL
 
 
 def nnx_cnn_split_merge() -> Case:
-    k_x, k_y = jax.random.split(jax.random.key(12))
-    model = NNXCNN(nnx.Rngs(12))
+    model = _nnx_init(lambda: NNXCNN(nnx.Rngs(12)))
     model.train()
     graphdef, params, batch_stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-    x = jax.random.normal(k_x, (B, 8, 8, 3))
-    y = jax.random.randint(k_y, (B,), 0, N_CLASSES)
+    x, y = normal(12, (B, 8, 8, 3)), integers(12, N_CLASSES, (B,))
 
     def loss_fn(params, batch_stats, batch):
         x, y = batch
@@ -190,10 +198,8 @@ NNX_MLP_TOL = TOL
 
 
 def nnx_mlp_pytree() -> Case:
-    k_x, k_y = jax.random.split(jax.random.key(13))
-    model = NNXMLP(nnx.Rngs(13))
-    x = jax.random.normal(k_x, (B, 16))
-    y = jax.random.randint(k_y, (B,), 0, N_CLASSES)
+    model = _nnx_init(lambda: NNXMLP(nnx.Rngs(13)))
+    x, y = normal(13, (B, 16)), integers(13, N_CLASSES, (B,))
 
     def loss_fn(model, state, batch):
         x, y = batch
