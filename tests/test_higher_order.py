@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 from jax.experimental import io_callback
 
 import autocast
@@ -140,17 +141,18 @@ def test_custom_vjp_gradient_clipper_backward_is_used():
 
 
 def test_custom_vjp_inside_jit_and_scan_under_amp():
-    w, x = _wx(3)
+    w, x = _wx(3, k=16)  # square w: the scan carry keeps its shape
 
     def f(w, x):
         def body(h, _):
-            return jnp.tanh(clip_gradient(h @ (3.0 * w[:, : h.shape[1]]))), None
+            return jnp.tanh(clip_gradient(h @ (3.0 * w))), None
 
         h, _ = jax.lax.scan(body, x, None, length=2)
         return jnp.sum(jax.jit(lambda h: h @ w.T)(h))
 
-    w = w[:, :16] if w.shape[1] >= 16 else jnp.tile(w, (1, 2))  # (16, 16): square for the scan
     ref = jax.grad(f)(w, x)
+    true = jax.grad(lambda w, x: jnp.sum(jax.lax.scan(lambda h, _: (jnp.tanh(h @ (3.0 * w)), None), x, None, length=2)[0] @ w.T))(w, x)
+    assert tree_max_rel_err(true, ref) > 0.1, "the clip must be active for this test to mean anything"
     got = jax.grad(autocast.amp(f))(w, x)
     assert tree_max_rel_err(got, ref) < GRAD_TOL
     census = compute_op_dtypes(jax.grad(autocast.amp(f)), w, x)
@@ -175,6 +177,32 @@ def test_checkpoint_policy_param_is_kept():
     inner = [str(e.invars[0].aval.dtype) for r in remats if r.params.get("policy") is policy for e, _ in walk(r.params["jaxpr"]) if e.primitive.name == "dot_general"]
     assert inner and set(inner) == {"float16"}, inner
     assert tree_max_rel_err(jax.grad(autocast.amp(f))(w, x), jax.grad(f)(w, x)) < GRAD_TOL
+
+
+@pytest.mark.parametrize("remat_float32", [True, False])
+def test_user_checkpoint_policy_decides_the_saved_activations(remat_float32, capsys):
+    """With ``policy=dots_saveable`` the block's matmul output is saved for the backward
+    pass and its elementwise intermediates are recomputed. Under amp the block must not
+    save more of its (64, 8) activations than float32 does (amp's half copies are smaller,
+    so the count is what matters)."""
+    w, x = _wx(16, n=64, m=16, k=8)
+    policy = jax.checkpoint_policies.dots_saveable
+
+    def f(w, x):
+        block = jax.checkpoint(lambda w, x: jnp.tanh(jnp.tanh(x @ w) * 2.0) @ w.T, policy=policy)
+        return jnp.sum(block(w, x) ** 2)
+
+    def n_activations(fn):
+        print_saved_residuals(fn, w, x)
+        return sum("[64,8]" in line for line in capsys.readouterr().out.splitlines())
+
+    want = n_activations(f)
+    got = n_activations(autocast.amp(f, remat_float32=remat_float32))
+    assert want == 1
+    assert got <= want, (
+        f"amp(remat_float32={remat_float32}) saves {got} (64, 8) activations of the dots_saveable "
+        f"block for the backward pass; float32 saves {want} (the matmul output)"
+    )
 
 
 @pytest.mark.parametrize("remat_float32", [True, False])

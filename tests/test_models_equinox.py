@@ -49,7 +49,8 @@ class Tol:
     """Tolerances against the float32 run of the same model, init and data."""
 
     loss: float  # relative error of the step-0 loss
-    grad: float  # max over leaves of the relative (L2) error of the step-0 gradients
+    grad: float  # relative L2 error of the whole step-0 gradient (all leaves together)
+    leaf: float  # max over non-negligible leaves of the relative L2 error of the step-0 gradient
     final: float  # relative error of the last-step loss (trajectories drift apart slowly)
 
 
@@ -182,7 +183,8 @@ def check_close_to_float32(factory, dtype_name):
     name = f"{m['case'].name}/{dtype_name}"
     assert np.isfinite(m["loss0"]), name
     assert m["loss_err"] < tol.loss, f"{name}: step-0 loss rel. error {m['loss_err']:.2e} >= {tol.loss}"
-    assert m["grad_err"] < tol.grad, f"{name}: step-0 grad rel. error {m['grad_err']:.2e} >= {tol.grad}"
+    assert m["grad_err_global"] < tol.grad, f"{name}: step-0 grad rel. error {m['grad_err_global']:.2e} >= {tol.grad}"
+    assert m["grad_err"] < tol.leaf, f"{name}: step-0 grad rel. error of a leaf {m['grad_err']:.2e} >= {tol.leaf}"
     assert m["final_err"] < tol.final, f"{name}: last loss rel. error {m['final_err']:.2e} >= {tol.final}"
 
 
@@ -229,19 +231,28 @@ def jit_init(make, *args):
 
 
 # Tolerances against float32, chosen from the measured errors (docs_models.md,
-# tests/model_report.py) with a 3-10x margin. float16 keeps 11 significand bits, bfloat16
-# 8: bfloat16 errors are ~8x larger. Measured maxima over the models using TOL:
-# float16: loss 6e-5, leaf grad 2.5e-3, last loss 6e-4; bfloat16: loss 5.4e-4, leaf grad
-# 1.9e-2, last loss 2.4e-3.
-TOL = {"float16": Tol(loss=1e-3, grad=1e-2, final=5e-3), "bfloat16": Tol(loss=5e-3, grad=5e-2, final=2e-2)}
-# Convolutions followed by BatchNorm: the gradient of a weight feeding a normalisation is
-# orthogonal to the weight (scale invariance), a small difference of large terms, so the
-# half-precision rounding of the convolution outputs and of the bias add (amp adds a
-# float32 bias in the activation's half dtype) shows up ~10x amplified in the conv-weight
-# gradients. A hand-written float16 version of the Equinox model (one cast after each conv)
-# measures 1.9e-2 on this leaf; amp measures 1.9e-2 to 4.4e-2 (float16, depending on XLA's
-# fusion of the step) and 5e-2 to 1.1e-1 (bfloat16). Losses are as accurate as elsewhere.
-BN_TOL = {"float16": Tol(loss=1e-3, grad=1e-1, final=5e-3), "bfloat16": Tol(loss=5e-3, grad=3e-1, final=2e-2)}
+# tests/model_report.py; two data sets) with a 3-10x margin. float16 keeps 11 significand
+# bits, bfloat16 8: bfloat16 errors are ~8x larger. Measured maxima over the models using
+# TOL: float16: loss 5.2e-5, grad 1.6e-3, leaf 2.5e-3, last loss 6.1e-4; bfloat16: loss
+# 5.4e-4, grad 1.2e-2, leaf 2.3e-2, last loss 2.4e-3.
+TOL = {
+    "float16": Tol(loss=1e-3, grad=5e-3, leaf=1e-2, final=5e-3),
+    "bfloat16": Tol(loss=5e-3, grad=5e-2, leaf=1e-1, final=2e-2),
+}
+# Convolutions followed by BatchNorm. The gradient of a weight feeding a normalisation is
+# orthogonal to the weight (scale invariance) and BatchNorm's backward pass subtracts batch
+# means: small differences of large terms, so the half-precision rounding of the
+# convolutions (forward and transposed) and of the bias add (amp adds a float32 bias in
+# the activation's half dtype) shows up amplified in the leaves with small gradients
+# (first conv kernel, first BatchNorm's bias). A hand-written float16 version of the
+# Equinox model (one cast after each conv) measured 1.3e-2 to 1.9e-2 on those leaves; amp
+# measured, over two data sets and three models, leaf 7e-4 to 5.5e-2 (float16) and 5.6e-2
+# to 2.0e-1 (bfloat16); whole gradient up to 1.2e-2 (float16) and 5.1e-2 (bfloat16).
+# Losses are as accurate as elsewhere (float16 <= 6e-5, bfloat16 <= 5.4e-4).
+BN_TOL = {
+    "float16": Tol(loss=1e-3, grad=5e-2, leaf=2e-1, final=5e-3),
+    "bfloat16": Tol(loss=5e-3, grad=1.5e-1, leaf=5e-1, final=2e-2),
+}
 MLP_TOL = VIT_TOL = RNN_TOL = TOL
 CNN_TOL = BN_TOL
 
