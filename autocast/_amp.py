@@ -16,27 +16,10 @@ from ._interpreter import Context, eval_jaxpr
 from ._policy import default_amp_policy, validate_policy
 
 _CACHE_SIZE = 32
-_COMPUTE_PRIMS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) or _compat.is_tracer(x)
-
-
-def _saveable(prim: Any, *avals: Any, **params: Any) -> bool:
-    """Checkpoint policy: save matmul results and values that are not float32.
-
-    float32 intermediates of a mixed-precision function (the inside of a softmax, a norm,
-    a GELU) are recomputed in the backward pass from the half-precision values they came
-    from, so the activations kept for the backward pass are half precision.
-    """
-    if prim.name in _COMPUTE_PRIMS:
-        return True
-    if prim.name == "convert_element_type":
-        return np.dtype(params["new_dtype"]) != _dtypes.FLOAT32 if _dtypes.is_castable(params["new_dtype"]) else True
-    if not avals:
-        return False
-    return not any(getattr(a, "dtype", None) == _dtypes.FLOAT32 for a in avals)
 
 
 class _Traced:
@@ -127,7 +110,7 @@ class _AmpFunction:
 
 def _transform(closed: Any, compute_dtype: np.dtype, policy: Mapping, scopes: tuple[str, ...], remat: bool) -> Any:
     """The closed jaxpr of ``closed`` re-evaluated under ``policy``."""
-    ctx = Context(compute_dtype, policy)
+    ctx = Context(compute_dtype, policy, remat)
     jaxpr, consts = closed.jaxpr, closed.consts
     in_avals = [v.aval for v in jaxpr.invars]
     out_dtypes = [v.aval.dtype for v in jaxpr.outvars]
@@ -137,8 +120,6 @@ def _transform(closed: Any, compute_dtype: np.dtype, policy: Mapping, scopes: tu
         outs, _ = eval_jaxpr(ctx, jaxpr, consts, args, [True] * len(args), scopes, out32)
         return [_dtypes.cast(x, d) if _dtypes.is_castable(d) else x for x, d in zip(outs, out_dtypes)]
 
-    if remat and compute_dtype != _dtypes.FLOAT32:
-        run = jax.checkpoint(run, policy=_saveable)
     new_jaxpr, new_consts = _compat.trace_to_jaxpr(run, in_avals)
     return _compat.close_jaxpr(new_jaxpr, new_consts)
 

@@ -124,6 +124,11 @@ def constvars_to_invars(jaxpr: Any) -> Any:
     return _pe.convert_constvars_jaxpr(jaxpr)
 
 
+def checkpoint(fun: Callable) -> Callable:
+    """``jax.checkpoint`` saving nothing: everything inside is recomputed in the backward pass."""
+    return jax.checkpoint(fun, prevent_cse=True, policy=None)
+
+
 def jaxpr_as_fun(closed: Any) -> Callable[..., list[Any]]:
     return jex_core.jaxpr_as_fun(closed)
 

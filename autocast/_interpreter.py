@@ -51,8 +51,9 @@ _SCATTERS = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "
 class Context:
     """What stays fixed while one function is transformed: dtype, policy, caches."""
 
-    def __init__(self, compute_dtype: np.dtype, policy: Any):
+    def __init__(self, compute_dtype: np.dtype, policy: Any, remat: bool = True):
         self.compute_dtype = compute_dtype
+        self.remat = bool(remat) and compute_dtype != _dtypes.FLOAT32
         self.lookup = Lookup(policy)
         self._jaxpr_cache: dict[Any, Any] = {}
         self._keep_alive: list[Any] = []
@@ -92,9 +93,9 @@ def eval_jaxpr(
     for var, val, f in zip(jaxpr.invars, args, free):
         env[var] = (val, f)
 
-    plan = _plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars))
+    plan, island = _plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars))
     with _dtypes.memoised_casts():
-        _eval_eqns(ctx, jaxpr, plan, env, read, scopes)
+        _eval_eqns(ctx, jaxpr, plan, island, env, read, scopes)
     results = [read(v) for v in jaxpr.outvars]
     return [x for x, _ in results], [f for _, f in results]
 
@@ -102,8 +103,11 @@ def eval_jaxpr(
 _STOP, _HIGHER, _RULE = "stop", "higher", "rule"
 
 
-def _plan(ctx: Context, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> list[tuple[str, Any]]:
-    """For each equation: how it is evaluated, and with which rule.
+def _plan(ctx: Context, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> tuple[list[tuple[str, Any]], list[bool]]:
+    """For each equation: how it is evaluated, with which rule, and whether it computes in
+    float32 (such equations are evaluated inside ``jax.checkpoint`` islands when
+    ``ctx.remat``: their float32 results are recomputed in the backward pass from the
+    half-precision values they came from, instead of being saved).
 
     ``use_input_precision`` equations whose results are only consumed in float32 (by a
     float32-rule operation, by an operation mixing them with a float32 result, or as a
@@ -152,26 +156,102 @@ def _plan(ctx: Context, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequen
             if isinstance(v, _compat.Literal) or not _dtypes.is_castable(v.aval.dtype):
                 continue
             wants32[v] = wants32.get(v, True) and pulls
-    return plan
+
+    # Forward again: which equations compute in float32 (rematerialisation islands).
+    island = [False] * len(plan)
+    if ctx.remat:
+        f32: set = set()
+        for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, plan)):
+            if kind != _RULE:
+                continue
+            if eqn.effects:  # callbacks and other effects cannot be rematerialised
+                continue
+            ins = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
+            outs32 = any(v.aval.dtype == _dtypes.FLOAT32 for v in eqn.outvars)
+            if (
+                rule is _rules.use_float32_precision
+                or (rule in (_rules.use_input_precision, _rules.use_widest_precision) and any(v in f32 for v in ins))
+                or (rule is _rules.use_original_precision and outs32)
+            ):
+                island[i] = True
+                f32.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
+    return plan, island
 
 
-def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, env: dict, read, scopes: tuple[str, ...]) -> None:
-    for eqn, (kind, rule) in zip(jaxpr.eqns, plan):
-        read_in = [read(v) for v in eqn.invars]
-        invals = [x for x, _ in read_in]
-        in_free = [f for _, f in read_in]
-        eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
-        with _compat.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack), _compat.eqn_context(eqn):
-            if kind == _STOP:
-                outs = _bind_original(eqn, invals)
-                out_free = [False] * len(outs)
-            elif kind == _HIGHER:
-                outs, out_free = rule(ctx, eqn, invals, in_free, eqn_scopes)
-            else:
-                outs, out_free = _apply_rule(ctx, eqn, rule, invals, in_free)
-        for var, val, f in zip(eqn.outvars, outs, out_free):
-            if not isinstance(var, _compat.DropVar):
-                env[var] = (val, f)
+def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], env: dict, read, scopes: tuple[str, ...]) -> None:
+    eqns = jaxpr.eqns
+    last_use: dict[Any, int] = {}
+    if any(island):
+        for i, eqn in enumerate(eqns):
+            for v in eqn.invars:
+                if not isinstance(v, _compat.Literal):
+                    last_use[v] = i
+        for v in jaxpr.outvars:
+            if not isinstance(v, _compat.Literal):
+                last_use[v] = len(eqns)
+    i = 0
+    while i < len(eqns):
+        if not island[i]:
+            _eval_eqn(ctx, eqns[i], plan[i], env, read, scopes)
+            i += 1
+            continue
+        j = i
+        while j < len(eqns) and island[j]:
+            j += 1
+        _eval_island(ctx, eqns[i:j], plan[i:j], env, read, scopes, last_use, j)
+        i = j
+
+
+def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, scopes: tuple[str, ...]) -> None:
+    kind, rule = step
+    read_in = [read(v) for v in eqn.invars]
+    invals = [x for x, _ in read_in]
+    in_free = [f for _, f in read_in]
+    eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
+    with _compat.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack), _compat.eqn_context(eqn):
+        if kind == _STOP:
+            outs = _bind_original(eqn, invals)
+            out_free = [False] * len(outs)
+        elif kind == _HIGHER:
+            outs, out_free = rule(ctx, eqn, invals, in_free, eqn_scopes)
+        else:
+            outs, out_free = _apply_rule(ctx, eqn, rule, invals, in_free)
+    for var, val, f in zip(eqn.outvars, outs, out_free):
+        if not isinstance(var, _compat.DropVar):
+            env[var] = (val, f)
+
+
+def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, read, scopes, last_use: dict, end: int) -> None:
+    """Evaluate a run of float32 equations inside ``jax.checkpoint`` (save nothing): the
+    backward pass recomputes them from the island's inputs (half-precision activations,
+    parameters) instead of keeping their float32 results."""
+    defined = {v for eqn in eqns for v in eqn.outvars}
+    inputs: list[Any] = []
+    for eqn in eqns:
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal) and v not in defined and v not in inputs:
+                inputs.append(v)
+    outputs = [v for eqn in eqns for v in eqn.outvars if not isinstance(v, _compat.DropVar) and last_use.get(v, -1) >= end]
+    if not outputs:
+        return
+    in_vals = [read(v) for v in inputs]
+    out_free: list[bool] = []
+
+    def island(*args):
+        local = {v: (x, f) for v, x, (_, f) in zip(inputs, args, in_vals)}
+
+        def local_read(v):
+            return (v.val, True) if isinstance(v, _compat.Literal) else local[v]
+
+        with _dtypes.memoised_casts():
+            for eqn, step in zip(eqns, steps):
+                _eval_eqn(ctx, eqn, step, local, local_read, scopes)
+        out_free[:] = [local[v][1] for v in outputs]
+        return [local[v][0] for v in outputs]
+
+    outs = _compat.checkpoint(island)(*[x for x, _ in in_vals])
+    for v, x, f in zip(outputs, outs, out_free):
+        env[v] = (x, f)
 
 
 def original_dtypes(eqn: Any) -> list[Any]:
