@@ -47,8 +47,22 @@ def _version(name: str) -> str | None:
         return None
 
 
+def _git_commit() -> str | None:
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                             capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha + ("+dirty" if dirty else "")
+
+
 def metadata() -> dict[str, Any]:
-    """Machine, backend, library versions and date (UTC) of this run."""
+    """Machine, backend, library versions, repo commit and date (UTC) of this run."""
     dev = jax.devices()[0]
     try:
         mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -62,6 +76,7 @@ def metadata() -> dict[str, Any]:
         "backend": jax.default_backend(),
         "device": f"{dev.device_kind} x{len(jax.devices())}",
         "python": platform.python_version(),
+        "git_commit": _git_commit(),
         "versions": {
             name: _version(name)
             for name in (
@@ -85,7 +100,7 @@ def metadata_markdown(meta: dict[str, Any]) -> str:
         f"- date: {meta['date']}\n"
         f"- machine: {meta['machine']} ({meta['os']})\n"
         f"- backend: {meta['backend']} ({meta['device']})\n"
-        f"- python {meta['python']}; {vers}\n"
+        f"- python {meta['python']}; {vers}; repo commit {meta.get('git_commit')}\n"
     )
 
 

@@ -56,6 +56,9 @@ ALL_SYSTEMS = ("fp32", "autocast-f16", "autocast-bf16", "autocast-f16-noremat", 
                "mpx-bf16", "jmp-f16", "jaxamp-f16")
 #: ``--quick`` leaves out the ablation ``autocast-f16-noremat`` (amp's ``remat_float32=False``).
 QUICK_SYSTEMS = tuple(s for s in ALL_SYSTEMS if s != "autocast-f16-noremat")
+#: Opt-in control: fp32 under ``jax.checkpoint(policy=dots_saveable)``, i.e. fp32 with a
+#: recompute policy, to separate the effect of recomputation from that of half precision.
+EXTRA_SYSTEMS = ("fp32-remat",)
 
 
 # ----------------------------------------------------------------------------- loss
@@ -140,6 +143,22 @@ def _fp32(static, opt) -> System:
         return p, opt_state, scaler, l, jnp.asarray(True)
 
     return System("fp32", "fp32 (no mixed precision)", step, loss)
+
+
+def _fp32_remat(static, opt) -> System:
+    policy = jax.checkpoint_policies.dots_saveable
+    ck_loss = jax.checkpoint(lambda p, x, y: _loss(eqx.combine(p, static), x, y), policy=policy)
+
+    def loss(p, x, y):
+        return ck_loss(p, x, y)[0]
+
+    def step(p, opt_state, scaler, x, y):
+        (l, _), g = jax.value_and_grad(ck_loss, has_aux=True)(p, x, y)
+        p, opt_state = _apply(opt, p, opt_state, g)
+        return p, opt_state, scaler, l, jnp.asarray(True)
+
+    return System("fp32-remat", "fp32 under jax.checkpoint(policy=dots_saveable) (control: "
+                  "recompute without mixed precision)", step, loss)
 
 
 def _autocast(static, opt, dtype, remat: bool = True) -> System:
@@ -329,6 +348,8 @@ def build_system(name: str, static: Any, opt: Any, *, reimpl: bool = False) -> S
     dtype = BF16 if name.endswith("bf16") else F16
     if name == "fp32":
         return _fp32(static, opt)
+    if name == "fp32-remat":
+        return _fp32_remat(static, opt)
     if name.startswith("autocast"):
         return _autocast(static, opt, dtype, remat=not name.endswith("noremat"))
     if name.startswith("mpx"):
@@ -481,10 +502,11 @@ def summarise(shape: str, sizes: dict[int, dict[str, Any]]) -> list[str]:
                 f"{cv['stablehlo']} / {cv['optimized']} | {r['loss0_rel_err_vs_fp32']:.1e} |")
     lines += ["\n### Ratios (same run)\n",
               "| batch | act. fp32/autocast-f16 | act. fp32/autocast-f16-noremat | "
+              "act. fp32/fp32-remat | "
               "act. fp32/mpx-f16 | act. fp32/jmp-f16 | act. fp32/autocast-bf16 "
               "| step autocast-f16/mpx-f16 | step autocast-bf16/mpx-bf16 | "
               "step autocast-f16/fp32 | compile autocast-f16/fp32 (wall; CPU) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def g(res, name, *path):
         v = res.get(name, {})
@@ -500,6 +522,7 @@ def summarise(shape: str, sizes: dict[int, dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {bs} | {_fmt(_ratio(act('fp32'), act('autocast-f16')), '.2f', 'x')} | "
             f"{_fmt(_ratio(act('fp32'), act('autocast-f16-noremat')), '.2f', 'x')} | "
+            f"{_fmt(_ratio(act('fp32'), act('fp32-remat')), '.2f', 'x')} | "
             f"{_fmt(_ratio(act('fp32'), act('mpx-f16')), '.2f', 'x')} | "
             f"{_fmt(_ratio(act('fp32'), act('jmp-f16')), '.2f', 'x')} | "
             f"{_fmt(_ratio(act('fp32'), act('autocast-bf16')), '.2f', 'x')} | "
@@ -520,7 +543,7 @@ def plot(shape: str, sizes: dict[int, dict[str, Any]], path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     names = sorted({n for res in sizes.values() for n, r in res.items() if "error" not in r},
-                   key=ALL_SYSTEMS.index)
+                   key=(ALL_SYSTEMS + EXTRA_SYSTEMS).index)
     for name in names:
         bss = [bs for bs, res in sizes.items() if "step_s" in res.get(name, {})]
         if not bss:
@@ -547,7 +570,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", help="batch sizes to sweep")
     ap.add_argument("--quick", action="store_true",
                     help="desktop shape, batch 8, 1 warm-up + 3 rounds (< 2 min on CPU)")
-    ap.add_argument("--systems", nargs="+", choices=ALL_SYSTEMS,
+    ap.add_argument("--systems", nargs="+", choices=ALL_SYSTEMS + EXTRA_SYSTEMS,
                     help="default: all (--quick: all but autocast-f16-noremat)")
     ap.add_argument("--repeats", type=int, help="timed rounds per batch size")
     ap.add_argument("--warmup", type=int, default=2)
@@ -580,21 +603,22 @@ def main(argv: list[str] | None = None) -> None:
     cmd = "python -m benchmarks.bench_vit " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"bench_vit: shape={args.shape} sizes={sizes} backend={meta['backend']} "
           f"({meta['device']})", flush=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     results: dict[int, dict[str, Any]] = {}
     for bs in sizes:
         results[bs] = run_size(args.shape, bs, args.systems, repeats=repeats,
                                warmup=args.warmup, reimpl=args.reimpl, peak=peak)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     cfg = SHAPES[args.shape]
     data = {"command": cmd, "meta": meta, "shape": args.shape, "config": cfg.__dict__,
-            "repeats": repeats, "warmup": args.warmup, "wall_s": wall,
+            "repeats": repeats, "warmup": args.warmup, "wall_s": wall, "cpu_s": cpu,
             "results": {str(k): v for k, v in results.items()}}
     C.write_json(C.RESULTS_DIR / f"{stem}.json", data)
     md = [f"## ViT-{args.shape} training step ({cfg.image_size}x{cfg.image_size}, patch "
           f"{cfg.patch}, width {cfg.width}, MLP {cfg.mlp_hidden}, {cfg.depth} blocks, "
           f"{cfg.heads} heads, {cfg.classes} classes)\n",
-          f"Command: `{cmd}` ({wall:.0f} s wall)\n", C.metadata_markdown(meta),
+          f"Command: `{cmd}` ({wall:.0f} s wall, {cpu:.0f} s CPU)\n",
+          C.metadata_markdown(meta),
           f"Step time: median of {repeats} interleaved rounds after {args.warmup} warm-up "
           "calls. Activation memory: bytes of vjp residuals computed from the batch. "
           "Peak device memory: "
