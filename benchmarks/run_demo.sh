@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Quickstart command 1: set up ./.venv (idempotent) and train the demo ViT on the bundled
-# handwritten digits in float32, float16 (amp + dynamic loss scaling) and bfloat16.
-# Extra arguments go to the demo, e.g. `bash benchmarks/run_demo.sh --steps 100`.
+# Quickstart command 1: set up ./.venv with the `demo` extra (idempotent) and run the demo:
+# a small ViT trained on scikit-learn's digits in fp32, amp float16 (+ dynamic loss
+# scaler) and amp bfloat16. Extra arguments go to the demo, e.g. `--steps 300`.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../.ci/venv.sh"
 ensure_venv demo
