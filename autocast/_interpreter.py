@@ -23,6 +23,12 @@ Sharp edges:
   outputs kept in the traced dtypes so the rules still apply.
 - Loop carries keep the dtype the initial value arrives in; branch outputs that differ
   between ``cond`` branches are cast back to their traced dtype.
+- An elementwise operation whose results are only consumed in float32 runs in float32
+  (``_plan``), so ``x - max(x)`` before an ``exp`` is not rounded to half first.
+- With ``remat_float32`` each contiguous run of float32 equations is evaluated inside its
+  own ``jax.checkpoint`` (an island), so their float32 results are recomputed in the
+  backward pass rather than saved. Islands are local: an enclosing user checkpoint keeps
+  its policy (an outer checkpoint policy would override nested ones).
 """
 
 from __future__ import annotations
