@@ -51,6 +51,17 @@ _STRUCTURAL = frozenset(
         "tile", "broadcast_to", "iota", "stop_gradient",
     }
 )
+# Primitives whose JVP needs none of their operands (linear in every float operand):
+# an island made only of these (and of products with literals) would save nothing, so it
+# is evaluated without a checkpoint.
+_LINEAR = frozenset(
+    {
+        "add", "sub", "neg", "reduce_sum", "cumsum", "reduce_window_sum", "broadcast_in_dim",
+        "reshape", "transpose", "squeeze", "expand_dims", "rev", "pad", "concatenate", "slice",
+        "dynamic_slice", "copy", "copy_p", "convert_element_type", "select_n", "stop_gradient",
+        "add_any", "real", "imag", "conj", "psum",
+    }
+)
 _SCATTERS = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"})
 
 
@@ -204,8 +215,21 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], env: di
         j = i
         while j < len(eqns) and island[j]:
             j += 1
-        _eval_island(ctx, eqns[i:j], plan[i:j], env, read, scopes, last_use, j)
+        if all(_is_linear(e) for e in eqns[i:j]):
+            for k in range(i, j):
+                _eval_eqn(ctx, eqns[k], plan[k], env, read, scopes)
+        else:
+            _eval_island(ctx, eqns[i:j], plan[i:j], env, read, scopes, last_use, j)
         i = j
+
+
+def _is_linear(eqn: Any) -> bool:
+    name = eqn.primitive.name
+    if name in _LINEAR:
+        return True
+    if name in ("mul", "div"):  # by a literal constant
+        return any(isinstance(v, _compat.Literal) for v in eqn.invars[1 if name == "div" else 0 :])
+    return False
 
 
 def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, scopes: tuple[str, ...]) -> None:
