@@ -199,3 +199,26 @@ def test_seed_rule_protocol_is_callable_directly():
     assert a.dtype == jnp.float32
     (a, b), _ = autocast.use_widest_precision(jnp.float16, [jnp.float32] * 2, x.astype(jnp.float16), x)
     assert a.dtype == b.dtype == jnp.float32
+
+
+def test_library_module_scopes_select_rules():
+    """Equinox modules run under a named scope of their class name, Flax Linen modules under
+    their module names: both can key a policy."""
+    import equinox as eqx
+    import flax.linen as nn
+
+    mlp = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0))
+    keep_linear = autocast.extend_policy({"eqx.nn.Linear": autocast.use_original_precision})
+    counts = compute_op_dtypes(lambda x: amp(lambda m, x: m(x), amp_policy=keep_linear)(mlp, x), jnp.ones(4))
+    assert counts == {("dot_general", "float32", False): 3}
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3, name="head")(nn.Dense(4, name="body")(x))
+
+    net = Net()
+    params = net.init(jax.random.key(0), jnp.ones((2, 4)))
+    keep_head = autocast.extend_policy({"head": autocast.use_original_precision})
+    counts = compute_op_dtypes(amp(net.apply, amp_policy=keep_head), params, jnp.ones((2, 4)))
+    assert counts == {("dot_general", "float16", False): 1, ("dot_general", "float32", False): 1}
