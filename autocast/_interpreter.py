@@ -24,7 +24,7 @@ Sharp edges:
 - Loop carries keep the dtype the initial value arrives in; branch outputs that differ
   between ``cond`` branches are cast back to their traced dtype.
 - An elementwise operation whose results are only consumed in float32 runs in float32
-  (``_plan``), so ``x - max(x)`` before an ``exp`` is not rounded to half first.
+  (``_plan.py``), so ``x - max(x)`` before an ``exp`` is not rounded to half first.
 - With ``remat_float32`` each contiguous run of float32 equations is evaluated inside its
   own ``jax.checkpoint`` (an island), so their float32 results are recomputed in the
   backward pass rather than saved. Islands are local: an enclosing user checkpoint keeps
@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _compat, _dtypes, _rules
-from ._policy import AMP_STOP, Lookup
+from . import _compat, _dtypes, _plan, _rules
+from ._policy import Lookup
 
 # Primitives whose output is only a rearrangement (or a conversion) of their float
 # operands: a value made by them from free values is free too.
@@ -49,17 +49,6 @@ _STRUCTURAL = frozenset(
         "concatenate", "split", "slice", "dynamic_slice", "gather", "copy", "copy_p",
         "convert_element_type", "sharding_constraint", "device_put", "reshard", "select_n",
         "tile", "broadcast_to", "iota", "stop_gradient",
-    }
-)
-# Primitives whose JVP needs none of their operands (linear in every float operand):
-# an island made only of these (and of products with literals) would save nothing, so it
-# is evaluated without a checkpoint.
-_LINEAR = frozenset(
-    {
-        "add", "sub", "neg", "reduce_sum", "cumsum", "reduce_window_sum", "broadcast_in_dim",
-        "reshape", "transpose", "squeeze", "expand_dims", "rev", "pad", "concatenate", "slice",
-        "dynamic_slice", "copy", "copy_p", "convert_element_type", "select_n", "stop_gradient",
-        "add_any", "real", "imag", "conj", "psum",
     }
 )
 _SCATTERS = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"})
@@ -110,89 +99,11 @@ def eval_jaxpr(
     for var, val, f in zip(jaxpr.invars, args, free):
         env[var] = (val, f)
 
-    plan, island = _plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars))
+    plan, island = _plan.plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars))
     with _dtypes.memoised_casts():
         _eval_eqns(ctx, jaxpr, plan, island, env, read, scopes)
     results = [read(v) for v in jaxpr.outvars]
     return [x for x, _ in results], [f for _, f in results]
-
-
-_STOP, _HIGHER, _RULE = "stop", "higher", "rule"
-
-
-def _plan(ctx: Context, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> tuple[list[tuple[str, Any]], list[bool]]:
-    """For each equation: how it is evaluated, with which rule, and whether it computes in
-    float32 (such equations are evaluated inside ``jax.checkpoint`` islands when
-    ``ctx.remat``: their float32 results are recomputed in the backward pass from the
-    half-precision values they came from, instead of being saved).
-
-    ``use_input_precision`` equations whose results are only consumed in float32 (by a
-    float32-rule operation, by an operation mixing them with a float32 result, or as a
-    float32 output) are switched to float32: ``x - max(x)`` in a softmax is then computed
-    from the half-precision logits in float32 instead of being rounded to half first.
-    """
-    from . import _higher_order  # circular: higher-order handlers call back into eval_jaxpr
-
-    plan: list[tuple[str, Any]] = []
-    f32_made: set = set()  # vars computed in float32 by a float32 rule (or derived from one)
-    for eqn in jaxpr.eqns:
-        eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
-        if AMP_STOP in eqn_scopes:
-            plan.append((_STOP, None))
-            continue
-        handler = None if ctx.lookup.explicit(eqn.primitive) else _higher_order.handler_for(eqn)
-        if handler is not None:
-            plan.append((_HIGHER, handler))
-            continue
-        rule = ctx.lookup.rule(eqn.primitive, eqn_scopes)
-        plan.append((_RULE, rule))
-        ins = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
-        if rule is _rules.use_float32_precision or (
-            rule is _rules.use_input_precision and any(v in f32_made for v in ins)
-        ):
-            f32_made.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
-
-    # Backward: which float vars are consumed only in float32.
-    wants32: dict[Any, bool] = {}
-    for v, is32 in zip(jaxpr.outvars, out_float32):
-        if not isinstance(v, _compat.Literal):
-            wants32[v] = wants32.get(v, True) and bool(is32)
-    for i in range(len(jaxpr.eqns) - 1, -1, -1):
-        eqn, (kind, rule) = jaxpr.eqns[i], plan[i]
-        pulls = False
-        if kind == _RULE and rule is _rules.use_float32_precision:
-            pulls = True
-        elif kind == _RULE and rule is _rules.use_input_precision:
-            float_outs = [v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype)]
-            if float_outs and all(wants32.get(v, False) for v in float_outs):
-                pulls = True
-                plan[i] = (_RULE, _rules.use_float32_precision)
-            elif any(v in f32_made for v in eqn.invars if not isinstance(v, _compat.Literal)):
-                pulls = True  # mixes with a float32 result: runs in float32 anyway
-        for v in eqn.invars:
-            if isinstance(v, _compat.Literal) or not _dtypes.is_castable(v.aval.dtype):
-                continue
-            wants32[v] = wants32.get(v, True) and pulls
-
-    # Forward again: which equations compute in float32 (rematerialisation islands).
-    island = [False] * len(plan)
-    if ctx.remat:
-        f32: set = set()
-        for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, plan)):
-            if kind != _RULE:
-                continue
-            if eqn.effects:  # callbacks and other effects cannot be rematerialised
-                continue
-            ins = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
-            outs32 = any(v.aval.dtype == _dtypes.FLOAT32 for v in eqn.outvars)
-            if (
-                rule is _rules.use_float32_precision
-                or (rule in (_rules.use_input_precision, _rules.use_widest_precision) and any(v in f32 for v in ins))
-                or (rule is _rules.use_original_precision and outs32)
-            ):
-                island[i] = True
-                f32.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
-    return plan, island
 
 
 def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], env: dict, read, scopes: tuple[str, ...]) -> None:
@@ -215,21 +126,12 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], env: di
         j = i
         while j < len(eqns) and island[j]:
             j += 1
-        if all(_is_linear(e) for e in eqns[i:j]):
+        if all(_plan.is_linear(e) for e in eqns[i:j]):
             for k in range(i, j):
                 _eval_eqn(ctx, eqns[k], plan[k], env, read, scopes)
         else:
             _eval_island(ctx, eqns[i:j], plan[i:j], env, read, scopes, last_use, j)
         i = j
-
-
-def _is_linear(eqn: Any) -> bool:
-    name = eqn.primitive.name
-    if name in _LINEAR:
-        return True
-    if name in ("mul", "div"):  # by a literal constant
-        return any(isinstance(v, _compat.Literal) for v in eqn.invars[1 if name == "div" else 0 :])
-    return False
 
 
 def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, scopes: tuple[str, ...]) -> None:
@@ -239,10 +141,10 @@ def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, sc
     in_free = [f for _, f in read_in]
     eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
     with _compat.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack), _compat.eqn_context(eqn):
-        if kind == _STOP:
+        if kind == _plan.STOP:
             outs = _bind_original(eqn, invals)
             out_free = [False] * len(outs)
-        elif kind == _HIGHER:
+        elif kind == _plan.HIGHER:
             outs, out_free = rule(ctx, eqn, invals, in_free, eqn_scopes)
         else:
             outs, out_free = _apply_rule(ctx, eqn, rule, invals, in_free)

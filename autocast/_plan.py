@@ -1,0 +1,108 @@
+"""Planning a jaxpr's evaluation: which rule each equation gets, which equations switch
+to float32 because their results are only consumed in float32, and which runs of float32
+equations are rematerialisation islands."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from . import _compat, _dtypes, _rules
+from ._policy import AMP_STOP
+
+# Primitives whose JVP needs none of their operands (linear in every float operand):
+# an island made only of these (and of products with literals) would save nothing, so it
+# is evaluated without a checkpoint.
+LINEAR = frozenset(
+    {
+        "add", "sub", "neg", "reduce_sum", "cumsum", "reduce_window_sum", "broadcast_in_dim",
+        "reshape", "transpose", "squeeze", "expand_dims", "rev", "pad", "concatenate", "slice",
+        "dynamic_slice", "copy", "copy_p", "convert_element_type", "select_n", "stop_gradient",
+        "add_any", "real", "imag", "conj", "psum",
+    }
+)
+STOP, HIGHER, RULE = "stop", "higher", "rule"
+
+
+def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> tuple[list[tuple[str, Any]], list[bool]]:
+    """For each equation: how it is evaluated, with which rule, and whether it computes in
+    float32 (such equations are evaluated inside ``jax.checkpoint`` islands when
+    ``ctx.remat``: their float32 results are recomputed in the backward pass from the
+    half-precision values they came from, instead of being saved).
+
+    ``use_input_precision`` equations whose results are only consumed in float32 (by a
+    float32-rule operation, by an operation mixing them with a float32 result, or as a
+    float32 output) are switched to float32: ``x - max(x)`` in a softmax is then computed
+    from the half-precision logits in float32 instead of being rounded to half first.
+    """
+    from . import _higher_order  # circular: higher-order handlers call back into eval_jaxpr
+
+    steps: list[tuple[str, Any]] = []
+    f32_made: set = set()  # vars computed in float32 by a float32 rule (or derived from one)
+    for eqn in jaxpr.eqns:
+        eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
+        if AMP_STOP in eqn_scopes:
+            steps.append((STOP, None))
+            continue
+        handler = None if ctx.lookup.explicit(eqn.primitive) else _higher_order.handler_for(eqn)
+        if handler is not None:
+            steps.append((HIGHER, handler))
+            continue
+        rule = ctx.lookup.rule(eqn.primitive, eqn_scopes)
+        steps.append((RULE, rule))
+        ins = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
+        if rule is _rules.use_float32_precision or (
+            rule is _rules.use_input_precision and any(v in f32_made for v in ins)
+        ):
+            f32_made.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
+
+    # Backward: which float vars are consumed only in float32.
+    wants32: dict[Any, bool] = {}
+    for v, is32 in zip(jaxpr.outvars, out_float32):
+        if not isinstance(v, _compat.Literal):
+            wants32[v] = wants32.get(v, True) and bool(is32)
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn, (kind, rule) = jaxpr.eqns[i], steps[i]
+        pulls = False
+        if kind == RULE and rule is _rules.use_float32_precision:
+            pulls = True
+        elif kind == RULE and rule is _rules.use_input_precision:
+            float_outs = [v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype)]
+            if float_outs and all(wants32.get(v, False) for v in float_outs):
+                pulls = True
+                steps[i] = (RULE, _rules.use_float32_precision)
+            elif any(v in f32_made for v in eqn.invars if not isinstance(v, _compat.Literal)):
+                pulls = True  # mixes with a float32 result: runs in float32 anyway
+        for v in eqn.invars:
+            if isinstance(v, _compat.Literal) or not _dtypes.is_castable(v.aval.dtype):
+                continue
+            wants32[v] = wants32.get(v, True) and pulls
+
+    # Forward again: which equations compute in float32 (rematerialisation islands).
+    island = [False] * len(steps)
+    if ctx.remat:
+        f32: set = set()
+        for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, steps)):
+            if kind != RULE:
+                continue
+            if eqn.effects:  # callbacks and other effects cannot be rematerialised
+                continue
+            ins = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
+            outs32 = any(v.aval.dtype == _dtypes.FLOAT32 for v in eqn.outvars)
+            if (
+                rule is _rules.use_float32_precision
+                or (rule in (_rules.use_input_precision, _rules.use_widest_precision) and any(v in f32 for v in ins))
+                or (rule is _rules.use_original_precision and outs32)
+            ):
+                island[i] = True
+                f32.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
+    return steps, island
+
+
+def is_linear(eqn: Any) -> bool:
+    name = eqn.primitive.name
+    if name in LINEAR:
+        return True
+    if name in ("mul", "div"):  # by a literal constant
+        return any(isinstance(v, _compat.Literal) for v in eqn.invars[1 if name == "div" else 0 :])
+    return False
