@@ -236,3 +236,42 @@ def test_named_scope_rule_reaches_inside_jit_and_glob_patterns():
     policy = autocast.extend_policy({"attention_*": autocast.use_precision("bfloat16")})
     counts = compute_op_dtypes(amp(f, amp_policy=policy), jnp.ones((4, 4)), jnp.ones((2, 4)))
     assert counts == {("dot_general", "bfloat16", False): 1, ("dot_general", "float16", False): 1}
+
+
+def test_custom_derivative_rules_run_their_matmuls_in_half_under_grad():
+    """Under jax.grad, JAX runs the custom_vjp forward rule (not the body) and the
+    custom_jvp JVP rule: both are transformed, so their matmuls are half precision. The
+    custom_vjp backward function runs as written (float32), and the user's rules are used."""
+
+    @jax.custom_vjp
+    def layer(w, x):
+        return jnp.tanh(x @ w)
+
+    def fwd(w, x):
+        y = jnp.tanh(x @ w)
+        return y, (w, x, y)
+
+    def bwd(res, g):
+        w, x, y = res
+        gy = g * (1 - y**2)
+        return jnp.clip(x.T @ gy, -0.01, 0.01), gy @ w.T  # clipped: not the true gradient
+
+    layer.defvjp(fwd, bwd)
+
+    @jax.custom_jvp
+    def gram(x):
+        return x @ x.T
+
+    gram.defjvp(lambda p, t: (p[0] @ p[0].T, 3.0 * (t[0] @ p[0].T)))  # x3: not the true JVP
+
+    def f(w, x):
+        return jnp.sum(layer(w, x)) + jnp.sum(gram(x @ w))
+
+    w = jax.random.normal(jax.random.key(0), (4, 4))
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    by_scope = compute_op_dtypes(jax.grad(amp(f)), w, x)
+    assert by_scope[("dot_general", "float32", False)] == 2  # the two matmuls of the user's bwd
+    assert by_scope[("dot_general", "float16", False)] >= 4  # fwd rule, gram's JVP rule, its transposes
+    g_ref = jax.grad(f)(w, x)
+    g = jax.grad(amp(f))(w, x)
+    np.testing.assert_allclose(g, g_ref, rtol=2e-2, atol=5e-2 * float(jnp.abs(g_ref).max()))
