@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,10 +25,8 @@ Primitive = jex_core.Primitive
 Jaxpr = jex_core.Jaxpr
 ClosedJaxpr = jex_core.ClosedJaxpr
 Literal = jex_core.Literal
-Var = jex_core.Var
 # JAX >= 0.10 exports DropVar from jax.extend.core; 0.9.x only from jax._src.core.
 DropVar = getattr(jex_core, "DropVar", None) or importlib.import_module("jax._src.core").DropVar
-primitives = jex_core.primitives
 
 user_context = jex_siu.user_context
 current_name_stack = jex_siu.current_name_stack
@@ -237,8 +235,3 @@ def discover_primitives() -> dict[str, list[Primitive]]:
             if isinstance(value, Primitive):
                 found.setdefault(value.name, {})[id(value)] = value
     return {name: list(prims.values()) for name, prims in found.items()}
-
-
-@contextlib.contextmanager
-def no_context() -> Iterator[None]:
-    yield
