@@ -3,7 +3,7 @@
 The interpreter reads jaxprs, binds primitives and re-traces sub-jaxprs; those steps use
 a handful of names that JAX does not promise to keep stable. They all live here, feature
 detected, each branch commented with the release it serves, so that a JAX upgrade is one
-file's work. Tested on JAX 0.9.2 and 0.10.2 (see ``tests/test_compat.py`` and
+file's work. Tested on JAX 0.9.2 and 0.10.2 (the whole suite, via
 ``.ci/jax_versions.sh``). JAX 0.11 merges ``ClosedJaxpr`` into ``Jaxpr``; the predicates
 below are written to work on both sides of that change.
 """

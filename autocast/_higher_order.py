@@ -193,16 +193,17 @@ def _cond(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple):
     branches = params["branches"]
     in_dtypes = _current_dtypes(invals[1:], original_dtypes(eqn)[1:])
     free = list(in_free[1:])
-    first = [transform_jaxpr(ctx, b, in_dtypes, free, scopes)[0] for b in branches]
-    out_dtypes_per_branch = [[v.aval.dtype for v in b.jaxpr.outvars] for b in first]
+    first = [transform_jaxpr(ctx, b, in_dtypes, free, scopes) for b in branches]
+    out_dtypes_per_branch = [[v.aval.dtype for v in new.jaxpr.outvars] for new, _, _ in first]
     _, traced_outs = _boundary_dtypes(branches[0])
     out_dtypes = [
         ds[0] if len(set(map(str, ds))) == 1 else traced
         for ds, traced in zip(zip(*out_dtypes_per_branch), traced_outs)
     ]
     new_branches, frees = [], []
-    for b in branches:
-        new, _, branch_free = transform_jaxpr(ctx, b, in_dtypes, free, scopes, out_dtypes=out_dtypes)
+    for b, (new, _, branch_free), dts in zip(branches, first, out_dtypes_per_branch):
+        if list(map(str, dts)) != list(map(str, out_dtypes)):  # re-trace only disagreeing branches
+            new, _, branch_free = transform_jaxpr(ctx, b, in_dtypes, free, scopes, out_dtypes=out_dtypes)
         new_branches.append(new)
         frees.append(branch_free)
     params["branches"] = tuple(new_branches)
