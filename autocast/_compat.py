@@ -65,6 +65,15 @@ def bind(prim: Primitive, invals: Sequence[Any], params: dict[str, Any]) -> list
     return list(out) if prim.multiple_results else [out]
 
 
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation's operands (consts, carry, xs)."""
+    if "num_consts" in params:  # JAX <= 0.11: explicit counts
+        return params["num_consts"], params["num_carry"]
+    # JAX >= 0.12: a FlatTree ``ft_in`` groups the operands as (consts, carry, xs).
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def eqn_context(eqn: Any) -> contextlib.AbstractContextManager:
     """The context an equation was traced in (abstract mesh, compute type, ...)."""
     ctx = getattr(eqn, "ctx", None)

@@ -161,7 +161,7 @@ def _call_like(param: str) -> Handler:
 
 def _scan(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple):
     params = dict(eqn.params)
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    n_consts, n_carry = _compat.scan_counts(params)
     body = params["jaxpr"]
     in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
     free = list(in_free)

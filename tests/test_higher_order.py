@@ -19,6 +19,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from jax.experimental import io_callback
 
 import autocast
+from autocast import _compat
 from helpers import compute_op_dtypes, tree_max_rel_err, walk
 
 F16 = jnp.float16
@@ -447,7 +448,7 @@ def test_scan_carry_keeps_float32_dtype():
     (c, ys) = autocast.amp(f)(w, x)
     assert c.dtype == jnp.float32 and ys.dtype == jnp.float32
     (scan,) = _loop_eqns(autocast.amp(f), w, x, names=("scan",))
-    n_consts, n_carry = scan.params["num_consts"], scan.params["num_carry"]
+    n_consts, n_carry = _compat.scan_counts(scan.params)
     carry_in = [str(v.aval.dtype) for v in scan.invars[n_consts : n_consts + n_carry]]
     carry_out = [str(v.aval.dtype) for v in scan.outvars[:n_carry]]
     assert carry_in == carry_out == ["float32"], (carry_in, carry_out)
