@@ -120,10 +120,36 @@ def _debug_info(fun: Callable, in_avals: Sequence[Any]) -> Any:
 
 
 def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
-    """A closed jaxpr from an open one and its constants."""
-    if _CLOSED_IS_JAXPR:  # JAX >= 0.11
+    """A closed jaxpr from an open one (as :func:`trace_to_jaxpr` returns it) and its
+    constants."""
+    if hasattr(jaxpr, "with_consts"):
+        # JAX >= 0.12: constants are the values attached to the leading invars.
+        return jaxpr.with_consts(list(consts)) if consts else jaxpr
+    if _CLOSED_IS_JAXPR:  # JAX 0.11: one class, constvars kept apart from invars
         return jaxpr.replace(consts=list(consts)) if consts else jaxpr
-    return ClosedJaxpr(jaxpr, list(consts))
+    return ClosedJaxpr(jaxpr, list(consts))  # JAX <= 0.10
+
+
+def bind_inputs(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[tuple[Any, Any, bool]]:
+    """Pair an open jaxpr's variables with ``consts`` and ``args``: ``(var, value, is_const)``.
+
+    JAX <= 0.11 keeps ``constvars`` apart from ``invars``; from JAX 0.12 the constants of
+    a traced (open) jaxpr are its leading ``invars`` (``constvars`` are only those with
+    values attached). Concatenating both lists pairs correctly on either side.
+    """
+    all_vars = [*jaxpr.constvars, *jaxpr.invars]
+    vals = [*consts, *args]
+    if len(all_vars) != len(vals):
+        raise ValueError(f"jaxpr takes {len(all_vars)} inputs (constants included); got {len(consts)} constants and {len(args)} arguments")
+    return [(v, x, i < len(consts)) for i, (v, x) in enumerate(zip(all_vars, vals))]
+
+
+def arg_invars(jaxpr: Any, num_consts: int) -> list[Any]:
+    """The invars of an open jaxpr that take arguments, not the ``num_consts`` constants
+    (which JAX >= 0.12 puts first among the invars of a traced jaxpr)."""
+    if jaxpr.constvars or not num_consts:  # JAX <= 0.11, or constants attached
+        return list(jaxpr.invars)
+    return list(jaxpr.invars[num_consts:])  # JAX >= 0.12
 
 
 def constvars_to_invars(jaxpr: Any) -> Any:

@@ -126,7 +126,7 @@ def _custom_derivative(thunk_param: str) -> Handler:
             return _generic(ctx, eqn, invals, in_free, scopes)
 
         def transform(jaxpr: Any, consts: list) -> tuple[Any, list]:
-            in_avals = [v.aval for v in jaxpr.invars]
+            in_avals = [v.aval for v in _compat.arg_invars(jaxpr, len(consts))]
             out_dtypes = [v.aval.dtype for v in jaxpr.outvars]
 
             def fun(*args):

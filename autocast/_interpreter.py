@@ -94,10 +94,9 @@ def eval_jaxpr(
             return v.val, True
         return env[v]
 
-    for var, val in zip(jaxpr.constvars, consts):
-        env[var] = (val, True)
-    for var, val, f in zip(jaxpr.invars, args, free):
-        env[var] = (val, f)
+    free_it = iter(free)
+    for var, val, is_const in _compat.bind_inputs(jaxpr, consts, args):
+        env[var] = (val, True if is_const else next(free_it))
 
     plan, island = _plan.plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars))
     with _dtypes.memoised_casts():

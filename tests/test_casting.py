@@ -275,3 +275,31 @@ def test_custom_derivative_rules_run_their_matmuls_in_half_under_grad():
     g_ref = jax.grad(f)(w, x)
     g = jax.grad(amp(f))(w, x)
     np.testing.assert_allclose(g, g_ref, rtol=2e-2, atol=5e-2 * float(jnp.abs(g_ref).max()))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("mode", ["add", "mul", "min", "max", "set"])
+def test_scatter_family_follows_half_operands_and_matches_float32(dtype, mode):
+    """Every scatter variant (its combiner jaxpr retyped to the operand's dtype) runs on
+    half-precision activations and agrees with float32, forward and backward."""
+
+    def f(w, x, idx):
+        h = x @ w  # half under amp
+        base = jnp.ones((6, h.shape[1]))
+        at = base.at[idx]
+        out = at.mul(h, unique_indices=True) if mode == "mul" else getattr(at, mode)(h)
+        return jnp.tanh(out @ w.T).sum()  # consumed by a matmul: the scatter stays half
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (4, 3))
+    x = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    idx = jnp.array([0, 1, 1, 3, 5]) if mode != "mul" else jnp.array([0, 1, 2, 3, 5])  # mul: grads need unique indices
+    scatters = [e for e, _ in _eqns(amp(f, compute_dtype=dtype), w, x, idx) if e.primitive.name.startswith("scatter")]
+    assert scatters and all(operand_dtypes(e)[0] == jnp.dtype(dtype).name for e in scatters), [operand_dtypes(e) for e in scatters]
+    assert all(operand_dtypes(e)[1] == "int32" for e in scatters)  # indices untouched
+    ref, got = f(w, x, idx), amp(f, compute_dtype=dtype)(w, x, idx)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, ref, rtol=3e-2)
+    g_ref = jax.grad(f)(w, x, idx)
+    g = jax.grad(amp(f, compute_dtype=dtype))(w, x, idx)
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, g_ref, rtol=5e-2, atol=5e-2 * float(jnp.abs(g_ref).max()))

@@ -31,6 +31,11 @@ _VERSION_SPECIFIC = {
     "ppermute_done", "psum_start", "psum_done", "psum_invariant_start", "pbroadcast_start",
     "pbroadcast_done", "reduce_scatter_start", "reduce_scatter_done", "unreduced_psum_start",
     "unreduced_reduce_scatter_start", "get", "swap", "stage", "call_hi_primitive",
+    # renamed in JAX 0.12 (the _p suffix dropped)
+    "reduced_vary_cast_p", "vary_unreduced_cast_p",
+    # JAX 0.12 only
+    "log2", "one_minus_square", "polynomial", "pbroadcast_dynamic", "reduced_vary_cast",
+    "relayout", "unreduced_pmax", "unreduced_pmin", "vary_unreduced_cast",
 }
 
 
