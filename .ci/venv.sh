@@ -1,28 +1,50 @@
-# Shared by the Quickstart commands: create ./.venv once and install the project into it
-# (editable) with the given extras; re-installs only when pyproject.toml changes.
-# Usage: source .ci/venv.sh && ensure_venv demo
+# Shared by the Quickstart commands: create a virtualenv once and install the project into
+# it (editable) with the given extras and pins; re-installs only when pyproject.toml or the
+# pins change.
+# Usage: source .ci/venv.sh && ensure_venv .venv python3 demo [pip specs...]
 set -euo pipefail
 
+# find_python 3.13: an interpreter of that version: pythonX.Y on PATH, else pyenv's build.
+find_python() {
+  local v="$1" c full
+  for c in "python$v" "python3"; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$v'.split('.'))))" 2>/dev/null; then
+      command -v "$c"
+      return 0
+    fi
+  done
+  if command -v pyenv >/dev/null 2>&1; then
+    full="$(pyenv versions --bare 2>/dev/null | grep -E "^${v//./\\.}\.[0-9]+$" | sort -V | tail -n 1 || true)"
+    if [ -n "$full" ] && [ -x "$(pyenv root)/versions/$full/bin/python$v" ]; then
+      echo "$(pyenv root)/versions/$full/bin/python$v"
+      return 0
+    fi
+  fi
+  return 1
+}
+
+# ensure_venv DIR PYTHON EXTRAS [PIP_SPECS...]: sets VENV_PYTHON and PROJECT_ROOT.
 ensure_venv() {
-  local extras="$1"
+  local dir="$1" python="$2" extras="$3"
+  shift 3
   local root
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-  local python="${PYTHON:-python3}"
   if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-    echo "jax-autocast needs Python >= 3.11 (set PYTHON=/path/to/python3.11)" >&2
+    echo "jax-autocast needs Python >= 3.11 (got '$python'; set PYTHON=/path/to/python3.11)" >&2
     return 1
   fi
-  if [ ! -x "$root/.venv/bin/python" ]; then
-    "$python" -m venv "$root/.venv"
-    "$root/.venv/bin/python" -m pip install --quiet --upgrade pip
+  local venv="$root/$dir"
+  if [ ! -x "$venv/bin/python" ]; then
+    "$python" -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
   fi
-  local stamp="$root/.venv/.installed-$extras"
+  local stamp="$venv/.installed-$extras"
   local want
-  want="$(cat "$root/pyproject.toml" | "$root/.venv/bin/python" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
+  want="$( (cat "$root/pyproject.toml"; echo "$*") | "$venv/bin/python" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    "$root/.venv/bin/python" -m pip install --quiet -e "$root[$extras]"
+    "$venv/bin/python" -m pip install --quiet -e "$root[$extras]" "$@"
     echo "$want" > "$stamp"
   fi
-  VENV_PYTHON="$root/.venv/bin/python"
+  VENV_PYTHON="$venv/bin/python"
   PROJECT_ROOT="$root"
 }

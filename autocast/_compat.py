@@ -2,10 +2,19 @@
 
 The interpreter reads jaxprs, binds primitives and re-traces sub-jaxprs; those steps use
 a handful of names that JAX does not promise to keep stable. They all live here, feature
-detected, each branch commented with the release it serves, so that a JAX upgrade is one
-file's work. Tested on JAX 0.9.2 and 0.10.2 (the whole suite, via
-``.ci/jax_versions.sh``). JAX 0.11 merges ``ClosedJaxpr`` into ``Jaxpr``; the predicates
-below are written to work on both sides of that change.
+detected (never by comparing version strings), each branch commented with the release it
+serves, so that a JAX upgrade is one file's work. The suite runs on the oldest supported
+JAX (0.9.2, Python 3.11) and the newest (0.12, Python 3.13) via ``tests/run_tests.sh``.
+
+What changed across the supported range, and where it is handled:
+
+- JAX 0.9.2: ``Primitive.get_bind_params`` returns a dict (a pair before): :func:`bind`.
+- JAX 0.10: ``DropVar`` in ``jax.extend.core``.
+- JAX 0.11: ``ClosedJaxpr`` merged into ``Jaxpr``: :func:`is_closed`, :func:`close_jaxpr`.
+- JAX 0.12: the constants of a traced jaxpr are its leading invars (``constvars`` are only
+  those with values attached): :func:`bind_inputs`, :func:`arg_invars`,
+  :func:`close_jaxpr`; ``scan`` describes its operand groups with a ``FlatTree`` ``ft_in``
+  instead of ``num_consts``/``num_carry``: :func:`scan_counts`.
 """
 
 from __future__ import annotations

@@ -4,6 +4,6 @@
 # scaler) and amp bfloat16. Extra arguments go to the demo, e.g. `--steps 300`.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../.ci/venv.sh"
-ensure_venv demo
+ensure_venv .venv "${PYTHON:-python3}" demo
 cd "$PROJECT_ROOT"
 exec "$VENV_PYTHON" -m benchmarks.demo "$@"

@@ -21,7 +21,7 @@ def _shipped():
 
 
 # Names the default table lists that exist in only some supported JAX releases (checked on
-# 0.9.2 and 0.10.2 by .ci/jax_versions.sh). Any other unresolved name is a typo.
+# 0.9.2 and 0.12 by tests/run_tests.sh). Any other unresolved name is a typo.
 _VERSION_SPECIFIC = {
     # JAX 0.9 only
     "ag_start", "ag_done", "iota_2x32_shape", "random_wrap", "random_unwrap",
