@@ -45,3 +45,25 @@ def test_wheel_ships_policies_and_runs_in_a_fresh_virtualenv(tmp_path):
     ) % str(venv)
     out = subprocess.run([str(py), "-c", script], check=True, capture_output=True, text=True, env=env, cwd=tmp_path)
     assert "f16[2,3] = dot_general" in out.stdout
+
+
+def _newest_on_index(python: str, package: str) -> str:
+    out = subprocess.run([python, "-m", "pip", "index", "versions", package], check=True, capture_output=True, text=True)
+    # first line: "jax (0.12.0.1)"
+    return out.stdout.splitlines()[0].split("(")[1].rstrip(")")
+
+
+def test_pip_install_resolves_the_newest_jax_this_python_can_run(tmp_path):
+    """`pip install .` never downgrades JAX: it resolves to the newest release the package
+    index offers for this Python (0.12.x on Python 3.13, 0.10.2 on 3.11)."""
+    report = tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), str(ROOT)],
+        check=True,
+        cwd=tmp_path,
+    )
+    import json
+
+    resolved = {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in json.loads(report.read_text())["install"]}
+    assert "jax-autocast" in resolved
+    assert resolved["jax"] == _newest_on_index(sys.executable, "jax"), resolved
