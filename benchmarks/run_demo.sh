@@ -4,6 +4,8 @@
 # scaler) and amp bfloat16. Extra arguments go to the demo, e.g. `--steps 300`.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../.ci/venv.sh"
-ensure_venv .venv "${PYTHON:-python3}" demo
+# The newest Python here gets the newest JAX (0.11+ needs Python >= 3.12); else python3.
+py="${PYTHON:-$(find_python 3.13 || find_python 3.12 || echo python3)}"
+ensure_venv .venv "$py" demo
 cd "$PROJECT_ROOT"
 exec "$VENV_PYTHON" -m benchmarks.demo "$@"

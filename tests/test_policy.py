@@ -33,6 +33,8 @@ _VERSION_SPECIFIC = {
     "unreduced_reduce_scatter_start", "get", "swap", "stage", "call_hi_primitive",
     # renamed in JAX 0.12 (the _p suffix dropped)
     "reduced_vary_cast_p", "vary_unreduced_cast_p",
+    # JAX 0.11 only
+    "program_order",
     # JAX 0.12 only
     "log2", "one_minus_square", "polynomial", "pbroadcast_dynamic", "reduced_vary_cast",
     "relayout", "unreduced_pmax", "unreduced_pmin", "vary_unreduced_cast",
