@@ -80,6 +80,12 @@ def test_default_policy_has_jaxamps_keys_and_casts_like_jaxamps_rules():
             ours, our_params = jaxamp.default_amp_policy[key](compute, [jnp.float32, jnp.float32], x32, y16, **params)
             assert [o.dtype for o in ours] == [t.dtype for t in theirs], (key, compute)
             assert {k: np.dtype(v) for k, v in our_params.items()} == {k: np.dtype(v) for k, v in their_params.items()}
+    with jax.enable_x64(True):  # jaxamp casts every inexact array, float64 and complex included
+        x64, c64 = jnp.ones(2, jnp.float64), jnp.ones(2, jnp.complex64)
+        theirs, _ = real.use_compute_precision(jnp.float16, [jnp.float64, jnp.complex64], x64, c64)
+        assert [t.dtype for t in theirs] == [jnp.float16, jnp.float16]
+        ours, _ = jaxamp.use_compute_precision(jnp.float16, [jnp.float64, jnp.complex64], x64, c64)
+        assert ours[0] is x64 and ours[1] is c64
 
 
 # ---------------------------------------------------------------------------------
@@ -224,6 +230,7 @@ def test_loss_value_is_exact_and_only_gradients_are_checked():
     state = jaxamp.DynamicScalerState(scaler=2.0)
     theirs, ((value, _), grad) = real.dynamic_scale_value_and_grad(big, has_aux=True, redo_on_nan=0)(x, dynamic_scaler_state=real.DynamicScalerState(scaler=2.0))
     assert np.isinf(float(value)) and float(theirs.scaler) == 1.0  # jaxamp: 80000 overflows float16
+    assert grad.dtype == jnp.float32  # jaxamp: the scale's dtype
     ours, ((value, aux), grad) = jaxamp.dynamic_scale_value_and_grad(big, has_aux=True)(x, dynamic_scaler_state=state)
     assert value.dtype == jnp.float16 and float(value) == 40000.0
     assert grad.dtype == jnp.float16 and float(grad) == 20000.0  # parameters' dtype (jaxamp: float32)

@@ -139,6 +139,9 @@ def test_float64_is_not_rounded_to_half_under_x64():
         assert _dtypes(real.cast_to_half(tree)) == {"f64": "float16", "f32": "float16"}  # jmp's bug
         assert _dtypes(jmp.cast_to_half(tree)) == {"f64": "float64", "f32": "float16"}
         assert _dtypes(jmp.get_policy("c=bf16").cast_to_compute(tree)) == {"f64": "float64", "f32": "bfloat16"}
+        f8 = {"f8": jnp.ones(3, jnp.float8_e4m3fn)}
+        assert _dtypes(real.cast_to_half(f8)) == {"f8": "float16"}
+        assert _dtypes(jmp.cast_to_half(f8)) == {"f8": "float8_e4m3fn"}
         # An explicit float64 policy still widens float32.
         assert _dtypes(jmp.get_policy("p=f64").cast_to_param(tree)) == {"f64": "float64", "f32": "float64"}
 
@@ -318,6 +321,8 @@ def test_all_finite_matches_jmp_and_ignores_non_float_leaves():
     for tree in ({}, None, {"a": jnp.ones(2)}, {"a": jnp.ones(2), "b": jnp.array([1.0, jnp.nan])},
                  {"a": jnp.array(jnp.inf, jnp.float16)}, {"i": jnp.arange(3), "f": jnp.ones(1)}):
         assert bool(jmp.all_finite(tree)) == bool(real.all_finite(tree))
+    with pytest.raises(TypeError):
+        real.all_finite({"act": jax.nn.relu, "w": jnp.ones(2)})
     assert bool(jmp.all_finite({"act": jax.nn.relu, "w": jnp.ones(2)}))
     assert not bool(jmp.all_finite({"act": jax.nn.relu, "w": jnp.array([jnp.nan])}))
 
