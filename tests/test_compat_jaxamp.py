@@ -191,7 +191,7 @@ def test_scaler_schedule_matches_jaxamp_step_by_step(transform):
         assert _values(ours) == _values(theirs), step
         assert bool(ours.grads_finite) is not bool(is_bad)
         if not is_bad:
-            for a, b in zip(jax.tree.leaves(our_out), jax.tree.leaves(their_out)):
+            for a, b in zip(jax.tree.leaves(our_out), jax.tree.leaves(their_out), strict=True):
                 np.testing.assert_array_equal(a, b)
     assert _values(ours)[2] == 4 and _values(ours)[0] > 2.0**10 / 16
 
@@ -278,7 +278,7 @@ def test_filter_true_differentiates_equinox_modules():
     state, (value, grads) = eqx.filter_jit(jaxamp.dynamic_scale_value_and_grad(loss))(model, x, dynamic_scaler_state=jaxamp.DynamicScalerState())
     ref_value, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, x)
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert grads.activation is None or not eqx.is_array(grads.activation)
 

@@ -174,9 +174,9 @@ def test_policy_drives_a_mixed_precision_step_close_to_float32():
 def test_scale_and_unscale_match_jmp_on_float32(make):
     tree = {"a": jnp.linspace(-3.0, 3.0, 7), "b": jnp.float32(0.1)}
     ours, theirs = make(jmp), make(real)
-    for a, b in zip(jax.tree.leaves(ours.scale(tree)), jax.tree.leaves(theirs.scale(tree))):
+    for a, b in zip(jax.tree.leaves(ours.scale(tree)), jax.tree.leaves(theirs.scale(tree)), strict=True):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(jax.tree.leaves(ours.unscale(tree)), jax.tree.leaves(theirs.unscale(tree))):
+    for a, b in zip(jax.tree.leaves(ours.unscale(tree)), jax.tree.leaves(theirs.unscale(tree)), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
