@@ -27,11 +27,10 @@ def _dtypes(tree):
 def test_every_name_jmp_exports_exists_with_jmps_parameters():
     assert set(real.__all__) <= set(jmp.__all__)
     assert jmp.__version__ == real.__version__ == "0.0.4"
-    callables = {
-        "get_policy": None, "cast_to_full": None, "cast_to_half": None, "half_dtype": None,
-        "all_finite": None, "select_tree": None, "Policy": None,
-        "StaticLossScale": None, "DynamicLossScale": None, "NoOpLossScale": None,
-    }
+    callables = (
+        "get_policy", "cast_to_full", "cast_to_half", "half_dtype", "all_finite", "select_tree",
+        "Policy", "StaticLossScale", "DynamicLossScale", "NoOpLossScale",
+    )
     for name in callables:
         ours, theirs = inspect.signature(getattr(jmp, name)), inspect.signature(getattr(real, name))
         positional = [p for p in ours.parameters.values() if p.kind is not p.KEYWORD_ONLY]
