@@ -337,3 +337,40 @@ def test_compat_code_runs_under_strict_dtype_promotion():
         assert float(jmp.StaticLossScale(2).scale(jnp.float16(3.0))) == 6.0
         assert _dtypes(jmp.get_policy("c=bf16").cast_to_compute(tree))["w"] == "bfloat16"
         assert jmp.select_tree(jnp.bool_(False), tree, tree)["i"].dtype == jnp.int32
+
+
+def _train_with(module, steps=12):
+    """A jmp-style float16 training loop; only the `jmp` module differs between runs."""
+    policy = module.get_policy("p=f32,c=f16,o=f32")
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": jax.random.normal(k1, (8, 16)) * 0.3, "w2": jax.random.normal(k2, (16, 1)) * 0.3}
+    x = jax.random.normal(k3, (32, 8))
+    y = jnp.sin(x.sum(axis=1, keepdims=True))
+
+    def loss_fn(params, loss_scale):
+        p, xc = policy.cast_to_compute((params, x))
+        out = policy.cast_to_output(jnp.tanh(xc @ p["w1"]) @ p["w2"])
+        return loss_scale.scale(jnp.mean((out - y) ** 2))
+
+    @jax.jit
+    def step(params, loss_scale):
+        grads = loss_scale.unscale(jax.grad(loss_fn)(params, loss_scale))
+        finite = module.all_finite(grads)
+        new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        return module.select_tree(finite, new, params), loss_scale.adjust(finite), finite
+
+    loss_scale = module.DynamicLossScale(jnp.float32(2.0**24), jnp.int32(0), 3)  # too high at first
+    history = []
+    for _ in range(steps):
+        params, loss_scale, finite = step(params, loss_scale)
+        history.append((bool(finite), float(loss_scale.loss_scale)))
+    return params, history
+
+
+def test_migration_is_an_import_change_same_training_trajectory():
+    ours, our_history = _train_with(jmp)
+    theirs, their_history = _train_with(real)
+    assert our_history == their_history
+    assert not our_history[0][0] and our_history[-1][0]  # backed off from 2**24, then trained
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name])
