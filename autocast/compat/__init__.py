@@ -1,0 +1,1 @@
+"""Drop-in versions of other mixed-precision libraries' APIs (jmp, MPX, jaxamp), built on autocast."""
