@@ -39,7 +39,7 @@ def _adjust(loss_scaling, min_loss_scaling, counter, factor, period, finite, max
     on_finite = jnp.where(counter == period - 1, grown, loss_scaling)
     on_overflow = jnp.maximum(min_loss_scaling, loss_scaling / factor)
     new = jnp.clip(jnp.where(finite, on_finite, on_overflow), min_loss_scaling, max_value)
-    new_counter = ((counter + 1) % period) * finite
+    new_counter = jnp.where(finite, (counter + 1) % period, 0)
     return new.astype(loss_scaling.dtype), new_counter.astype(counter.dtype)
 
 

@@ -8,8 +8,10 @@ Same names, call signatures and return structures as MPX, with MPX's bugs fixed:
   scale the loss was multiplied by. MPX adjusts the scale first and unscales with the new
   one, so on every growth step the gradients are halved (and the logged loss doubled, or
   the reverse on a backoff).
-- The loss is multiplied by the scale in float32 (MPX: in float16, so a float16 loss of 2
-  times `FLOAT16_MAX` is `inf` and the step is thrown away).
+- The loss is multiplied by the scale in float32. MPX multiplies a float16 loss by a
+  float16 copy of the scale, so with its recommended initial scale `FLOAT16_MAX` any
+  float16 loss above 1 becomes `inf`, and the value `filter_value_and_grad` returns is
+  `inf` (the gradients survive: the backward pass only sees the scale).
 - `set_half_precision_datatype("bfloat16")` takes effect (MPX ignores strings silently).
 - `DynamicLossScaling` bounds the scale by the maximum of its half dtype, not always
   float16's (and `scale` does not cast the scale to float16).
