@@ -178,11 +178,13 @@ def scaled(func: Callable, scaling: DynamicLossScaling, has_aux: bool = False) -
     return wrapper
 
 
-def _prepare(func, half, automatic, args, kwargs):
-    if automatic:
-        return amp(func, compute_dtype=half), args, kwargs
-    args, kwargs = cast_tree((args, kwargs), half)
-    return func, args, kwargs
+def _half_inputs(half: Any, automatic: bool, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """MPX casts every argument to half; with `automatic`, `amp` decides per primitive."""
+    return (args, kwargs) if automatic else cast_tree((args, kwargs), half)
+
+
+def _maybe_amp(func: Callable, half: Any, automatic: bool) -> Callable:
+    return amp(func, compute_dtype=half) if automatic else func
 
 
 def calculate_scaled_grad(
@@ -200,22 +202,25 @@ def calculate_scaled_grad(
     neither unscaled nor checked. The value is scaled in float32.
     """
     half = _resolve_half(half_dtype)
+    fn = _maybe_amp(func, half, automatic)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not use_mixed_precision:
             return eqx.filter_value_and_grad(func, has_aux=has_aux)(*args, **kwargs)
-        fn, args, kwargs = _prepare(func, half, automatic, args, kwargs)
+        args, kwargs = _half_inputs(half, automatic, args, kwargs)
         return eqx.filter_value_and_grad(scaled(fn, scaling, has_aux), has_aux=has_aux)(*args, **kwargs)
 
     return wrapper
 
 
-def _mixed(name, func, scaling, has_aux, half, automatic, args, kwargs):
+def _mixed(
+    name: str, fn: Callable, scaling: Any, has_aux: bool, half: Any, automatic: bool, args: tuple, kwargs: dict
+) -> tuple[jax.Array, Any, DynamicLossScaling, jax.Array, Any]:
     """(value, aux, new scaling, finite, grads): grads unscaled with the scale the loss
     was multiplied by, *then* the scale is adjusted (MPX unscales with the adjusted one)."""
     if not isinstance(scaling, DynamicLossScaling):
         raise TypeError(f"{name}: `scaling` must be an mpx.DynamicLossScaling; got {type(scaling).__name__}.")
-    fn, args, kwargs = _prepare(func, half, automatic, args, kwargs)
+    args, kwargs = _half_inputs(half, automatic, args, kwargs)
     loss, aux, grads = _value_and_grads(
         name, fn, scaling, args, kwargs, has_aux=has_aux, filter=True, argnums=0
     )
@@ -257,6 +262,7 @@ def filter_grad(
     Example: `scaling, finite, grads = mpx.filter_grad(loss_fn, scaling)(model, x, y)`.
     """
     half = _resolve_half(half_dtype)
+    fn = _maybe_amp(func, half, automatic)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not use_mixed_precision:
@@ -264,7 +270,7 @@ def filter_grad(
             if has_aux:
                 return scaling, jnp.bool_(True), out[0], out[1]
             return scaling, jnp.bool_(True), cast_to_full_precision(out)
-        _, aux, new, finite, grads = _mixed("filter_grad", func, scaling, has_aux, half, automatic, args, kwargs)
+        _, aux, new, finite, grads = _mixed("filter_grad", fn, scaling, has_aux, half, automatic, args, kwargs)
         return (new, finite, grads, aux) if has_aux else (new, finite, grads)
 
     return wrapper
@@ -296,13 +302,14 @@ def filter_value_and_grad(
     ```
     """
     half = _resolve_half(half_dtype)
+    fn = _maybe_amp(func, half, automatic)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not use_mixed_precision:
             value, grads = eqx.filter_value_and_grad(func, has_aux=has_aux)(*args, **kwargs)
             return value, scaling, jnp.bool_(True), grads
         value, aux, new, finite, grads = _mixed(
-            "filter_value_and_grad", func, scaling, has_aux, half, automatic, args, kwargs
+            "filter_value_and_grad", fn, scaling, has_aux, half, automatic, args, kwargs
         )
         return ((value, aux) if has_aux else value), new, finite, grads
 
