@@ -593,3 +593,25 @@ def test_mpx_readme_training_step_runs_unchanged_and_matches_float32():
     assert tree_max_rel_err(params, eqx.filter(ref, eqx.is_array)) < 1e-2
     assert tree_max_rel_err(params, eqx.filter(theirs, eqx.is_array)) < 1e-3
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+
+
+def test_sharded_step_as_in_mpx_readme_matches_one_device():
+    """MPX's README shards the batch and replicates model and scaling with eqx.filter_shard."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("batch",))
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    model, (x, y) = _Model(jax.random.key(0)), _data(64)
+
+    @eqx.filter_jit
+    def step(model, loss_scaling, x, y):
+        x, y = eqx.filter_shard((x, y), batch_sharding)
+        model = eqx.filter_shard(model, replicated)
+        value, loss_scaling, finite, grads = ampx.filter_value_and_grad(_loss, scaling=loss_scaling)(model, x, y)
+        return value, eqx.filter_shard(loss_scaling, replicated), finite, grads
+
+    sharded = step(model, _scaling(ampx, period=1), x, y)
+    single = ampx.filter_value_and_grad(_loss, _scaling(ampx, period=1))(model, x, y)
+    assert sharded[1].loss_scaling.sharding.is_fully_replicated
+    assert float(sharded[1].loss_scaling) == float(single[1].loss_scaling) == 2.0**11
+    np.testing.assert_allclose(float(sharded[0]), float(single[0]), rtol=1e-3)
+    assert tree_max_rel_err(sharded[3], single[3]) < 1e-2

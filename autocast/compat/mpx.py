@@ -6,8 +6,7 @@ Same names, call signatures and return structures as MPX, with MPX's bugs fixed:
 
 - `filter_grad`/`filter_value_and_grad` unscale the gradients (and the value) with the
   scale the loss was multiplied by. MPX adjusts the scale first and unscales with the new
-  one, so on every growth step the gradients are halved (and the logged loss doubled, or
-  the reverse on a backoff).
+  one, so on every growth step the gradients and the returned loss are halved.
 - The loss is multiplied by the scale in float32. MPX multiplies a float16 loss by a
   float16 copy of the scale, so with its recommended initial scale `FLOAT16_MAX` any
   float16 loss above 1 becomes `inf`, and the value `filter_value_and_grad` returns is
