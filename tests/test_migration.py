@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from helpers import compute_op_dtypes, tree_max_rel_err
+from helpers import compute_op_dtypes, tree_max_rel_err, walk
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -241,6 +241,9 @@ def test_after_jmp_trains_like_float32():
     x, y = batches[0]
     counts = compute_op_dtypes(lambda p: ns["amp_loss"](p, x, y), ns["params"])
     assert counts[("dot_general", "float16", False)] == 2 and sum(counts.values()) == 2
+    jaxpr = jax.make_jaxpr(lambda p: ns["amp_loss"](p, x, y))(ns["params"])
+    dtypes = {e.primitive.name: str(e.invars[0].aval.dtype) for e, _ in walk(jaxpr)}
+    assert dtypes["tanh"] == "float16" and dtypes["reduce_sum"] == "float32"
 
 
 def test_after_mpx_trains_like_float32():
@@ -298,7 +301,5 @@ def test_after_torch_trains_like_float32_with_the_right_precisions():
     assert counts[("dot_general", "float32", True)] == 1  # the head: amp_stop
     # rms_norm's rule: its multiply runs in float32 although its input is float16.
     jaxpr = jax.make_jaxpr(lambda x: ns["amp_loss"](model, x, y))(x)
-    from helpers import walk
-
     in_norm = [e for e, scopes in walk(jaxpr) if "rms_norm" in scopes and e.primitive.name == "mul"]
     assert in_norm and all(str(v.aval.dtype) == "float32" for e in in_norm for v in e.invars)
