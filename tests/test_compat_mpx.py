@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import autocast.compat.mpx as ampx
-from helpers import compute_op_dtypes, tree_max_rel_err
+from helpers import compute_op_dtypes, tree_max_rel_err, walk
 
 F16_MAX = 65504.0
 BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
@@ -615,3 +615,25 @@ def test_sharded_step_as_in_mpx_readme_matches_one_device():
     assert float(sharded[1].loss_scaling) == float(single[1].loss_scaling) == 2.0**11
     np.testing.assert_allclose(float(sharded[0]), float(single[0]), rtol=1e-3)
     assert tree_max_rel_err(sharded[3], single[3]) < 1e-2
+
+
+def test_half_dtype_is_read_when_the_wrapper_is_built_or_pinned_per_call():
+    model, (x, y) = _Model(jax.random.key(0)), _data()
+    scaling = _scaling(ampx)
+    assert scaling.half_dtype == jnp.float16
+
+    @eqx.filter_jit
+    def step(model, scaling, x, y):
+        return ampx.filter_value_and_grad(_loss, scaling)(model, x, y)[3]
+
+    def jaxpr_dtypes(fn):
+        jaxpr = jax.make_jaxpr(lambda x: fn(x)[3])(x)
+        return {str(e.invars[0].aval.dtype) for e, _ in walk(jaxpr) if e.primitive.name == "dot_general"}
+
+    first = step(model, scaling, x, y)
+    ampx.set_half_precision_datatype("bfloat16")
+    _assert_same(step(model, scaling, x, y), first)  # compiled: keeps float16
+    assert scaling.half_dtype == jnp.float16 and _scaling(ampx).half_dtype == jnp.bfloat16
+    assert jaxpr_dtypes(lambda x: ampx.filter_value_and_grad(_loss, scaling)(model, x, y)) == {"bfloat16"}
+    pinned = lambda x: ampx.filter_value_and_grad(_loss, scaling, half_dtype="float16")(model, x, y)
+    assert jaxpr_dtypes(pinned) == {"float16"}
