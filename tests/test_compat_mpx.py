@@ -449,6 +449,7 @@ def test_gradient_wrappers_match_mpx_and_float32(has_aux, half):
     theirs = mpx.filter_grad(fn, _scaling(mpx), has_aux=has_aux)(model, x, y)
     _assert_same(ours, theirs)
     assert len(ours) == (4 if has_aux else 3)
+    assert ampx.filter_grad(fn, _scaling(ampx)).__name__ == fn.__name__  # functools.wraps
     _assert_same(ours[2], grads)
 
 

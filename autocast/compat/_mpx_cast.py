@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -179,6 +180,7 @@ def cast_function(
     else:
         inner = amp(func, compute_dtype=compute, amp_policy=amp_policy)
 
+    @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not automatic:
             args, kwargs = cast_tree((args, kwargs), compute)
@@ -214,6 +216,7 @@ def force_full_precision(func: Callable, return_dtype: Any = None) -> Callable:
     """
     out_dtype = None if return_dtype is None else canonical_compute_dtype(return_dtype, argument="return_dtype")
 
+    @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         target = out_dtype if out_dtype is not None else _input_dtype((args, kwargs))
         args, kwargs = cast_tree((args, kwargs), jnp.float32)

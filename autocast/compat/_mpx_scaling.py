@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -169,6 +170,7 @@ def scaled(func: Callable, scaling: DynamicLossScaling, has_aux: bool = False) -
     """`func` with its value (the first output if `has_aux`) multiplied by the scale, in
     float32 (or wider)."""
 
+    @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         out = func(*args, **kwargs)
         if has_aux:
@@ -204,6 +206,7 @@ def calculate_scaled_grad(
     half = _resolve_half(half_dtype)
     fn = _maybe_amp(func, half, automatic)
 
+    @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not use_mixed_precision:
             return eqx.filter_value_and_grad(func, has_aux=has_aux)(*args, **kwargs)
@@ -264,6 +267,7 @@ def filter_grad(
     half = _resolve_half(half_dtype)
     fn = _maybe_amp(func, half, automatic)
 
+    @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not use_mixed_precision:
             out = eqx.filter_grad(func, has_aux=has_aux)(*args, **kwargs)
@@ -304,6 +308,7 @@ def filter_value_and_grad(
     half = _resolve_half(half_dtype)
     fn = _maybe_amp(func, half, automatic)
 
+    @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not use_mixed_precision:
             value, grads = eqx.filter_value_and_grad(func, has_aux=has_aux)(*args, **kwargs)
