@@ -164,6 +164,38 @@ def _value_and_grads(
     return loss, aux, state.unscale(grads)
 
 
+def retry_while_non_finite(
+    attempt: Callable[[_AbstractScalerState], tuple[Any, jax.Array]],
+    state: _AbstractScalerState,
+    redo_on_nan: int,
+) -> tuple[_AbstractScalerState, Any, jax.Array]:
+    """Run ``attempt(state) -> (results, finite)``; while not finite, back the scale off
+    and run it again, at most ``redo_on_nan`` times (in a ``lax.while_loop``).
+
+    Returns ``(state used by the last attempt, its results, its finite flag)``.
+    """
+    results, finite = attempt(state)
+    if not (redo_on_nan and state._can_back_off):
+        return state, results, finite
+    # The first attempt stays outside the loop so the carry has exactly the types
+    # (including varying-manual-axes types under shard_map) of a real attempt.
+    dynamic, static = eqx.partition(results, eqx.is_array)
+
+    def cond(carry):
+        i, _, finite, _ = carry
+        return jnp.logical_not(finite) & (i < redo_on_nan)
+
+    def body(carry):
+        i, state, _, _ = carry
+        state = state.adjust(False)
+        results, finite = attempt(state)
+        return i + 1, state, finite, eqx.filter(results, eqx.is_array)
+
+    carry = (jnp.zeros((), jnp.int32), state, finite, dynamic)
+    _, state, finite, dynamic = jax.lax.while_loop(cond, body, carry)
+    return state, eqx.combine(dynamic, static), finite
+
+
 def _scaled_value_and_grad(
     name: str,
     fun: Callable,
@@ -189,29 +221,11 @@ def _scaled_value_and_grad(
     )
     # The finite check covers the gradients only: a NaN in aux is not a reason to
     # back off (jaxamp's scaler halves on it).
-    loss, aux, grads = attempt(state)
-    finite = all_finite(grads, axis_name=axis_name)
+    def checked(state):
+        out = attempt(state)
+        return out, all_finite(out[2], axis_name=axis_name)
 
-    if redo_on_nan and state._can_back_off:
-        # The first attempt stays outside the loop so the carry has exactly the types
-        # (including varying-manual-axes types under shard_map) of a real attempt.
-        dynamic, static = eqx.partition((loss, aux, grads), eqx.is_array)
-
-        def cond(carry):
-            i, _, finite, _ = carry
-            return jnp.logical_not(finite) & (i < redo_on_nan)
-
-        def body(carry):
-            i, state, _, _ = carry
-            state = state.adjust(False)
-            out = attempt(state)
-            finite = all_finite(out[2], axis_name=axis_name)
-            return i + 1, state, finite, eqx.filter(out, eqx.is_array)
-
-        carry = (jnp.zeros((), jnp.int32), state, finite, dynamic)
-        _, state, finite, dynamic = jax.lax.while_loop(cond, body, carry)
-        loss, aux, grads = eqx.combine(dynamic, static)
-
+    state, (loss, aux, grads), finite = retry_while_non_finite(checked, state, redo_on_nan)
     return state.adjust(finite), loss, aux, grads
 
 

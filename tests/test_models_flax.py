@@ -29,7 +29,6 @@ from test_models_equinox import (
     integers,
     normal,
     Case,
-    Tol,
     check_close_to_float32,
     check_compute_ops_half,
     check_dtypes_preserved,

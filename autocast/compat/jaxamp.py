@@ -21,7 +21,6 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -235,23 +234,7 @@ def dynamic_scale_tx(
                 results = unscale_fn(transformed(*f_args, _dynamic_scaler_state=state, **f_kwargs), state)
                 return results, _loss_scale.all_finite(results, axis_name=axis_name)
 
-            results, finite = attempt(state)
-            if redo_on_nan and state._can_back_off:
-                dynamic, static = eqx.partition(results, eqx.is_array)
-
-                def cond(carry):
-                    i, _, finite, _ = carry
-                    return jnp.logical_not(finite) & (i < redo_on_nan)
-
-                def body(carry):
-                    i, state, _, _ = carry
-                    state = state.adjust(False)
-                    results, finite = attempt(state)
-                    return i + 1, state, finite, eqx.filter(results, eqx.is_array)
-
-                carry = (jnp.zeros((), jnp.int32), state, finite, dynamic)
-                _, state, finite, dynamic = jax.lax.while_loop(cond, body, carry)
-                results = eqx.combine(dynamic, static)
+            state, results, finite = _scaled_grad.retry_while_non_finite(attempt, state, redo_on_nan)
             return state.adjust(finite), results
 
         return step
