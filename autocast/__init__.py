@@ -2,10 +2,17 @@
 
 ``amp(fn)`` re-evaluates ``fn``'s jaxpr with per-primitive casting rules (matmuls and
 convolutions in float16/bfloat16, numerically sensitive operations in float32); the loss
-scalers and scaled-gradient wrappers make float16 training safe.
+scalers and scaled-gradient wrappers make float16 training safe. ``autocast.compat``
+holds drop-in versions of the jmp, MPX and jaxamp APIs.
 """
 
 from ._amp import amp as amp
+from ._loss_scale import DynamicScalerState as DynamicScalerState
+from ._loss_scale import NoOpScalerState as NoOpScalerState
+from ._loss_scale import StaticScalerState as StaticScalerState
+from ._loss_scale import all_finite as all_finite
+from ._loss_scale import select_tree as select_tree
+from ._optim import optimizer_update as optimizer_update
 from ._policy import AmpPolicy as AmpPolicy
 from ._policy import default_amp_policy as default_amp_policy
 from ._policy import extend_policy as extend_policy
@@ -19,18 +26,28 @@ from ._rules import use_input_precision as use_input_precision
 from ._rules import use_original_precision as use_original_precision
 from ._rules import use_precision as use_precision
 from ._rules import use_widest_precision as use_widest_precision
+from ._scaled_grad import dynamic_scale_grad as dynamic_scale_grad
+from ._scaled_grad import dynamic_scale_value_and_grad as dynamic_scale_value_and_grad
 from ._scope import amp_stop as amp_stop
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AmpPolicy",
+    "DynamicScalerState",
+    "NoOpScalerState",
+    "StaticScalerState",
+    "all_finite",
     "amp",
     "amp_stop",
     "default_amp_policy",
+    "dynamic_scale_grad",
+    "dynamic_scale_value_and_grad",
     "extend_policy",
     "load_policy",
+    "optimizer_update",
     "register_rule",
+    "select_tree",
     "unregister_rule",
     "use_as_is",
     "use_compute_precision",
@@ -41,25 +58,3 @@ __all__ = [
     "use_widest_precision",
     "__version__",
 ]
-
-# --- loss scaling (issue 4) ---
-from ._loss_scale import DynamicScalerState as DynamicScalerState
-from ._loss_scale import NoOpScalerState as NoOpScalerState
-from ._loss_scale import StaticScalerState as StaticScalerState
-from ._loss_scale import all_finite as all_finite
-from ._loss_scale import select_tree as select_tree
-from ._optim import optimizer_update as optimizer_update
-from ._scaled_grad import dynamic_scale_grad as dynamic_scale_grad
-from ._scaled_grad import dynamic_scale_value_and_grad as dynamic_scale_value_and_grad
-
-__all__ += [
-    "DynamicScalerState",
-    "NoOpScalerState",
-    "StaticScalerState",
-    "all_finite",
-    "dynamic_scale_grad",
-    "dynamic_scale_value_and_grad",
-    "optimizer_update",
-    "select_tree",
-]
-# --- end loss scaling ---
