@@ -224,3 +224,25 @@ class Lookup:
         if rule is None:
             rule = _REGISTRY.get(prim, self.default)
         return rule
+
+    def rule_and_reason(self, prim: _compat.Primitive, scopes: tuple[str, ...]) -> tuple[Callable, str]:
+        """:meth:`rule` and why it applies (for ``autocast.explain``): ``"amp_stop"``,
+        ``"scope 'KEY'"``, ``"registered rule"``, ``"primitive table"`` or ``"fallback"``."""
+        rule, key = self.scope_rule(scopes)
+        if rule is not None:
+            return rule, AMP_STOP if key == AMP_STOP else f"scope {key!r}"
+        rule = self.policy.get(prim)
+        if rule is not None:
+            registered = _REGISTRY.get(prim) is rule and not (isinstance(self.policy, Mapping) and _in_own_layers(self.policy, prim))
+            return rule, "registered rule" if registered else "primitive table"
+        if prim in _REGISTRY:
+            return _REGISTRY[prim], "registered rule"
+        return self.default, "fallback"
+
+
+def _in_own_layers(policy: Mapping, prim: _compat.Primitive) -> bool:
+    """Whether ``prim`` is named by a layer of ``policy`` other than the rule registry."""
+    layers = getattr(policy, "_layers", None)
+    if layers is None:
+        return prim in policy and policy[prim] is not _REGISTRY.get(prim)
+    return any(layer is not _REGISTRY and prim in layer for layer in layers)
