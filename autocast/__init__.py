@@ -63,3 +63,12 @@ __all__ += [
     "select_tree",
 ]
 # --- end loss scaling ---
+
+# --- explain and find_overflow (issue 10) ---
+from ._explain import Explanation as Explanation
+from ._explain import explain as explain
+from ._overflow import Finding as Finding
+from ._overflow import find_overflow as find_overflow
+
+__all__ += ["Explanation", "Finding", "explain", "find_overflow"]
+# --- end explain and find_overflow ---
