@@ -68,13 +68,25 @@ class _Observer:
         self.stack.pop()
         if kind == _plan.HIGHER:
             return
-        if kind == _plan.STOP:
-            rule_name, why = "original", "amp_stop"
-        else:
-            rule_name = _RULE_NAMES.get(rule) or _rule_name(rule)
-            looked, why = self.ctx.lookup.rule_and_reason(eqn.primitive, scopes)
-            if rule is _rules.use_float32_precision and looked is not rule:
-                why = "pulled to float32 by its consumers"
+        path = tuple(_walk.label(e) for e in self.stack)
+        mult = int(np.prod([_walk.multiplier(e) for e in self.stack], dtype=np.int64))
+        if kind == _plan.STOP:  # bound as traced (the interpreter casts inside _bind_original)
+            if _walk.bodies(eqn):  # a jit/scan/... inside amp_stop: its body runs as traced
+                for sub in _walk.bodies(eqn):
+                    for e, sc, p, m in _walk.walk(sub, tuple(scopes), (*path, _walk.label(eqn)), mult * _walk.multiplier(eqn)):
+                        avals = [v.aval for v in e.invars]
+                        self._add(e, "original", "amp_stop", sc, p, m, avals, avals, [v.aval for v in e.outvars], None)
+                return
+            avals = [v.aval for v in eqn.invars]
+            self._add(eqn, "original", "amp_stop", scopes, path, mult, arrived, avals, outs, island)
+            return
+        rule_name = _RULE_NAMES.get(rule) or _rule_name(rule)
+        looked, why = self.ctx.lookup.rule_and_reason(eqn.primitive, scopes)
+        if rule is _rules.use_float32_precision and looked is not rule:
+            why = "pulled to float32 by its consumers"
+        self._add(eqn, rule_name, why, scopes, path, mult, arrived, bound, outs, island)
+
+    def _add(self, eqn, rule_name, why, scopes, path, mult, arrived, bound, outs, island) -> None:
         if island is not None:
             why += "; island, recomputed" if island[1] else "; island"
         self.records.append(
@@ -83,8 +95,8 @@ class _Observer:
                 rule=rule_name,
                 why=why,
                 scopes=tuple(scopes),
-                path=tuple(_walk.label(e) for e in self.stack),
-                mult=int(np.prod([_walk.multiplier(e) for e in self.stack], dtype=np.int64)),
+                path=tuple(path),
+                mult=int(mult),
                 before=tuple(_walk.dtype_name(_dtype(x)) for x in arrived),
                 after=tuple(_walk.dtype_name(_dtype(x)) for x in bound),
                 result=tuple(_walk.dtype_name(_dtype(x)) for x in outs),
@@ -96,6 +108,8 @@ class _Observer:
 
 
 def _dtype(x: Any) -> Any:
+    if isinstance(x, jax.core.ShapedArray):
+        return x.dtype
     try:
         return _dtypes.dtype_of(x)
     except TypeError:
@@ -147,11 +161,12 @@ def _costs(closed: Any) -> tuple[dict[str, int], dict[str, int], int]:
 
 
 def _saved(fun: Callable, args: list[Any]) -> dict[str, int]:
-    """Bytes of the residuals ``jax.vjp`` saves, by dtype, not counting the arguments
-    themselves (``jax.ad_checkpoint.print_saved_residuals``' accounting)."""
+    """Bytes of the residuals ``jax.vjp`` saves, by dtype, as
+    ``jax.ad_checkpoint.print_saved_residuals`` lists them: only computed values, not the
+    arguments, constants and literals (already in memory)."""
     out: dict[str, int] = {}
     for aval, where in _compat.saved_residuals(fun, *args):
-        if where.startswith("from the argument"):
+        if where.startswith(("from the argument", "from a constant", "from a literal")):
             continue
         _add(out, str(aval.dtype), _walk.nbytes(aval))
     return out

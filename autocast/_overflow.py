@@ -26,6 +26,16 @@ from ._amp import amp
 from ._explain import _check_fn, _flat
 
 _UNDERFLOW_SIGNIFICANCE = 1e-3
+# Primitives that only move, select or reshape their operands: their half-precision result
+# holds values that were already half precision, so they cannot overflow or underflow.
+_REARRANGING = frozenset(
+    {
+        "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "rev", "concatenate", "split",
+        "slice", "dynamic_slice", "dynamic_update_slice", "gather", "copy", "copy_p", "select_n",
+        "stop_gradient", "max", "min", "reduce_max", "reduce_min", "neg", "abs", "sign", "sharding_constraint",
+        "device_put", "reshard", "pad", "argmax", "argmin",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +93,13 @@ def _suggest(prim: str, kind: str, source: str, backward: bool) -> str:
         if backward:
             return "gradients flush to zero: use loss scaling (autocast.DynamicScalerState) or a larger scale"
         return f"values flush to zero in half precision: wrap {source} in `with autocast.amp_stop():`, use bfloat16, or rescale"
+    if backward:
+        return f"the scaled gradient overflows in {prim}: lower the loss scale, or wrap {source} in `with autocast.amp_stop():`"
     if prim == "convert_element_type":
         return (
             f"a float32 value does not fit in half precision where amp casts it for its consumer: wrap {source} in "
             "`with autocast.amp_stop():`, or give the consumer a float32 rule"
         )
-    if backward:
-        return f"the scaled gradient overflows in {prim}: lower the loss scale, or wrap {source} in `with autocast.amp_stop():`"
     return (
         f"wrap {source} in `with autocast.amp_stop():`, or run it in float32 with "
         f"autocast.extend_policy({{jax.lax.{prim}_p: autocast.use_float32_precision}})"
@@ -176,8 +186,12 @@ class _Checker:
 
     def check(self, eqn: Any, invals: list, outs: list, scopes, path, bwd) -> None:
         """Bind ``eqn`` again with its half operands (and half dtype parameters) in float32."""
-        if any(_compat.is_jaxpr_like(v) for v in eqn.params.values()):
-            return  # a scatter combiner or reducer typed for the half dtype: no reference
+        name = eqn.primitive.name
+        if name in _REARRANGING or any(_compat.is_jaxpr_like(v) for v in eqn.params.values()):
+            return  # moves half values without computing new ones / a combiner typed for half
+        if name == "convert_element_type":  # the reference of a cast is its input
+            self._report(eqn, scopes, path, bwd, str(np.dtype(outs[0].dtype)), _stats(np.asarray(outs[0], np.float32), np.asarray(invals[0], np.float32)))
+            return
         ref_in = [_dtypes.cast(x, _dtypes.FLOAT32) if _walk.is_half(_dtypes.dtype_of(x)) else x for x in invals]
         params = {k: (_dtypes.FLOAT32 if _is_half_dtype(v) else v) for k, v in eqn.params.items()}
         try:

@@ -233,16 +233,10 @@ class Lookup:
             return rule, AMP_STOP if key == AMP_STOP else f"scope {key!r}"
         rule = self.policy.get(prim)
         if rule is not None:
-            registered = _REGISTRY.get(prim) is rule and not (isinstance(self.policy, Mapping) and _in_own_layers(self.policy, prim))
-            return rule, "registered rule" if registered else "primitive table"
+            layers = getattr(self.policy, "_layers", (self.policy,))
+            first = next((layer for layer in layers if prim in layer), None)
+            return rule, "registered rule" if first is _REGISTRY else "primitive table"
         if prim in _REGISTRY:
             return _REGISTRY[prim], "registered rule"
         return self.default, "fallback"
 
-
-def _in_own_layers(policy: Mapping, prim: _compat.Primitive) -> bool:
-    """Whether ``prim`` is named by a layer of ``policy`` other than the rule registry."""
-    layers = getattr(policy, "_layers", None)
-    if layers is None:
-        return prim in policy and policy[prim] is not _REGISTRY.get(prim)
-    return any(layer is not _REGISTRY and prim in layer for layer in layers)
