@@ -108,8 +108,9 @@ class _Observer:
 
 
 def _dtype(x: Any) -> Any:
-    if isinstance(x, jax.core.ShapedArray):
-        return x.dtype
+    dtype = getattr(x, "dtype", None)  # arrays, tracers and avals
+    if dtype is not None:
+        return dtype
     try:
         return _dtypes.dtype_of(x)
     except TypeError:
