@@ -50,6 +50,7 @@ class _Record:
     island: Any
     source: str
     shapes: tuple[tuple[int, ...], ...]
+    eqn_id: int = 0
 
 
 class _Observer:
@@ -59,14 +60,21 @@ class _Observer:
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.stack: list[Any] = []
+        self.starts: list[int] = []
         self.records: list[_Record] = []
 
     def enter(self, eqn: Any) -> None:
         self.stack.append(eqn)
+        self.starts.append(len(self.records))
 
     def exit(self, eqn, kind, rule, scopes, arrived, bound, outs, island) -> None:
         self.stack.pop()
+        start = self.starts.pop()
         if kind == _plan.HIGHER:
+            if eqn.primitive.name == "cond":  # a branch traced again (to agree on dtypes): keep the last
+                body = self.records[start:]
+                last = {(r.eqn_id, r.path): i for i, r in enumerate(body)}
+                self.records[start:] = [r for i, r in enumerate(body) if last[(r.eqn_id, r.path)] == i]
             return
         path = tuple(_walk.label(e) for e in self.stack)
         mult = int(np.prod([_walk.multiplier(e) for e in self.stack], dtype=np.int64))
@@ -103,6 +111,7 @@ class _Observer:
                 island=island,
                 source=_walk.source(eqn.source_info),
                 shapes=tuple(tuple(getattr(x, "shape", np.shape(x))) for x in bound),
+                eqn_id=id(eqn),
             )
         )
 

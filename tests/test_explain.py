@@ -268,3 +268,21 @@ def test_bad_input():
         autocast.explain(stop_model, compute_dtype="float64")
     with pytest.raises(TypeError, match="amp_policy"):
         autocast.explain(stop_model, amp_policy=[1, 2])
+
+
+def test_cond_branches_are_counted_once_each():
+    # The branches' outputs disagree in dtype (float16 / float32), so the interpreter traces
+    # branch ``a`` a second time; explain keeps one record per equation.
+    def f(w, x, p):
+        def a(x):
+            return x @ w
+
+        def b(x):
+            return jnp.exp(x) @ w + jnp.sum(x)
+
+        return jnp.sum(jax.lax.cond(p > 0, a, b, x))
+
+    report = autocast.explain(f)(jnp.ones((4, 4)), jnp.ones((2, 4)), 1.0)
+    rows = [r for r in report.rows if r["primitive"] == "dot_general"]
+    assert sum(r["count"] for r in rows) == 2 and all(r["nesting"] == "cond" for r in rows)
+    assert _matmul_operand_dtypes(autocast.amp(f), jnp.ones((4, 4)), jnp.ones((2, 4)), 1.0) == ["float16", "float16"]
