@@ -7,12 +7,16 @@ holds drop-in versions of the jmp, MPX and jaxamp APIs.
 """
 
 from ._amp import amp as amp
+from ._explain import Explanation as Explanation
+from ._explain import explain as explain
 from ._loss_scale import DynamicScalerState as DynamicScalerState
 from ._loss_scale import NoOpScalerState as NoOpScalerState
 from ._loss_scale import StaticScalerState as StaticScalerState
 from ._loss_scale import all_finite as all_finite
 from ._loss_scale import select_tree as select_tree
 from ._optim import optimizer_update as optimizer_update
+from ._overflow import Finding as Finding
+from ._overflow import find_overflow as find_overflow
 from ._policy import AmpPolicy as AmpPolicy
 from ._policy import default_amp_policy as default_amp_policy
 from ._policy import extend_policy as extend_policy
@@ -35,6 +39,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AmpPolicy",
     "DynamicScalerState",
+    "Explanation",
+    "Finding",
     "NoOpScalerState",
     "StaticScalerState",
     "all_finite",
@@ -43,7 +49,9 @@ __all__ = [
     "default_amp_policy",
     "dynamic_scale_grad",
     "dynamic_scale_value_and_grad",
+    "explain",
     "extend_policy",
+    "find_overflow",
     "load_policy",
     "optimizer_update",
     "register_rule",

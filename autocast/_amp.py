@@ -108,9 +108,10 @@ class _AmpFunction:
         return f"amp({getattr(self.fn, '__name__', self.fn)!r}, compute_dtype={self.compute_dtype.name})"
 
 
-def _transform(closed: Any, compute_dtype: np.dtype, policy: Mapping, scopes: tuple[str, ...], remat: bool) -> Any:
-    """The closed jaxpr of ``closed`` re-evaluated under ``policy``."""
-    ctx = Context(compute_dtype, policy, remat)
+def _transform(closed: Any, compute_dtype: np.dtype, policy: Mapping, scopes: tuple[str, ...], remat: bool, ctx: Context | None = None) -> Any:
+    """The closed jaxpr of ``closed`` re-evaluated under ``policy`` (``ctx``: a context to
+    use instead of a new one, e.g. one with an observer, for ``autocast.explain``)."""
+    ctx = Context(compute_dtype, policy, remat) if ctx is None else ctx
     jaxpr, consts = closed.jaxpr, closed.consts
     in_avals = [v.aval for v in jaxpr.invars]
     out_dtypes = [v.aval.dtype for v in jaxpr.outvars]

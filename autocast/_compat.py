@@ -207,6 +207,30 @@ def wrap_jaxpr_thunk(thunk: Any, transform: Callable[[Any, list[Any]], tuple[Any
     return jex_lu.wrap_init(wrapped, debug_info=thunk.debug_info)
 
 
+def user_frame(source_info: Any) -> tuple[str, int] | None:
+    """``(file, line)`` of the innermost user frame (not JAX's own) of an equation's
+    ``source_info``, or None. ``jax._src.source_info_util.user_frame`` (JAX 0.4 to 0.12);
+    a JAX without it gives None (explain and find_overflow then show no source)."""
+    try:
+        from jax._src import source_info_util as _siu
+    except ImportError:  # pragma: no cover - a future JAX that moved it
+        return None
+    fn = getattr(_siu, "user_frame", None)
+    frame = fn(getattr(source_info, "traceback", None)) if fn is not None else None
+    if frame is None:
+        return None
+    return frame.file_name, int(frame.start_line)
+
+
+def saved_residuals(fun: Callable, *args: Any) -> list[tuple[Any, str]]:
+    """``(aval, description)`` of each residual ``jax.vjp(fun, *args)`` saves, as
+    ``jax.ad_checkpoint.print_saved_residuals`` prints them. JAX 0.4 to 0.12:
+    ``jax._src.ad_checkpoint.saved_residuals`` (the public module only prints)."""
+    from jax._src import ad_checkpoint as _adc
+
+    return list(_adc.saved_residuals(fun, *args))
+
+
 # --- primitives the interpreter treats specially ----------------------------------------
 
 

@@ -63,6 +63,12 @@ class Context:
         self.lookup = Lookup(policy)
         self._jaxpr_cache: dict[Any, Any] = {}
         self._keep_alive: list[Any] = []
+        # Observation hook for ``autocast.explain`` (None otherwise): an object with
+        # ``enter(eqn)`` (before an equation is evaluated: nested bodies are evaluated until the
+        # matching call below) and ``exit(eqn, kind, rule, scopes, arrived, bound, outs, island)``
+        # (after it; ``arrived``/``bound``: operands before/after the rule; ``island``: None, or
+        # ``(marker, recomputed)`` shared by the equations of one float32 island).
+        self.observer: Any = None
 
     def cached(self, key: tuple, jaxpr_like: Any, build):
         """Memoise a sub-jaxpr rewrite on (jaxpr object, dtypes, scopes, ...)."""
@@ -126,19 +132,23 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], env: di
         while j < len(eqns) and island[j]:
             j += 1
         if all(_plan.is_linear(e) for e in eqns[i:j]):
+            marker = (object(), False)
             for k in range(i, j):
-                _eval_eqn(ctx, eqns[k], plan[k], env, read, scopes)
+                _eval_eqn(ctx, eqns[k], plan[k], env, read, scopes, marker)
         else:
             _eval_island(ctx, eqns[i:j], plan[i:j], env, read, scopes, last_use, j)
         i = j
 
 
-def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, scopes: tuple[str, ...]) -> None:
+def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, scopes: tuple[str, ...], island: Any = None) -> None:
     kind, rule = step
     read_in = [read(v) for v in eqn.invars]
     invals = [x for x, _ in read_in]
     in_free = [f for _, f in read_in]
     eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
+    if ctx.observer is not None:  # autocast.explain (see Context.observer)
+        ctx.observer.enter(eqn)
+    bound = invals
     with _compat.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack), _compat.eqn_context(eqn):
         if kind == _plan.STOP:
             outs = _bind_original(eqn, invals)
@@ -146,7 +156,9 @@ def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, sc
         elif kind == _plan.HIGHER:
             outs, out_free = rule(ctx, eqn, invals, in_free, eqn_scopes)
         else:
-            outs, out_free = _apply_rule(ctx, eqn, rule, invals, in_free)
+            outs, out_free, bound = _apply_rule(ctx, eqn, rule, invals, in_free)
+    if ctx.observer is not None:
+        ctx.observer.exit(eqn, kind, rule, eqn_scopes, invals, bound, outs, island)
     for var, val, f in zip(eqn.outvars, outs, out_free):
         if not isinstance(var, _compat.DropVar):
             env[var] = (val, f)
@@ -167,6 +179,7 @@ def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, 
         return
     in_vals = [read(v) for v in inputs]
     out_free: list[bool] = []
+    marker = (object(), True)  # for Context.observer: one recomputed island
 
     def island(*args):
         local = {v: (x, f) for v, x, (_, f) in zip(inputs, args, in_vals)}
@@ -176,7 +189,7 @@ def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, 
 
         with _dtypes.memoised_casts():
             for eqn, step in zip(eqns, steps):
-                _eval_eqn(ctx, eqn, step, local, local_read, scopes)
+                _eval_eqn(ctx, eqn, step, local, local_read, scopes, marker)
         out_free[:] = [local[v][1] for v in outputs]
         return [local[v][0] for v in outputs]
 
@@ -213,7 +226,7 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
     outs = _compat.bind(prim, new_invals, params)
     structural = prim.name in _STRUCTURAL
     floats_free = all(f for f, d in zip(in_free, orig) if _dtypes.is_castable(d))
-    return outs, [structural and floats_free] * len(outs)
+    return outs, [structural and floats_free] * len(outs), new_invals
 
 
 def _check_rule_result(result: Any, prim: Any, rule: Any, invals: Sequence[Any], orig: Sequence[Any]):

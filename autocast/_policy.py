@@ -224,3 +224,19 @@ class Lookup:
         if rule is None:
             rule = _REGISTRY.get(prim, self.default)
         return rule
+
+    def rule_and_reason(self, prim: _compat.Primitive, scopes: tuple[str, ...]) -> tuple[Callable, str]:
+        """:meth:`rule` and why it applies (for ``autocast.explain``): ``"amp_stop"``,
+        ``"scope 'KEY'"``, ``"registered rule"``, ``"primitive table"`` or ``"fallback"``."""
+        rule, key = self.scope_rule(scopes)
+        if rule is not None:
+            return rule, AMP_STOP if key == AMP_STOP else f"scope {key!r}"
+        rule = self.policy.get(prim)
+        if rule is not None:
+            layers = getattr(self.policy, "_layers", (self.policy,))
+            first = next((layer for layer in layers if prim in layer), None)
+            return rule, "registered rule" if first is _REGISTRY else "primitive table"
+        if prim in _REGISTRY:
+            return _REGISTRY[prim], "registered rule"
+        return self.default, "fallback"
+

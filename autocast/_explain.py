@@ -1,0 +1,412 @@
+"""``autocast.explain``: what ran in which dtype, why, and what it costs (trace only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat, _dtypes, _plan, _rules, _walk
+from ._amp import _is_array, _transform
+from ._interpreter import Context, _rule_name
+from ._policy import default_amp_policy, validate_policy
+
+_RULE_NAMES = {rule: name for name, rule in _rules.CATEGORIES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Float32Matmul:
+    """A ``dot_general`` / ``conv_general_dilated`` that does not run in the compute dtype."""
+
+    primitive: str
+    shape: tuple[tuple[int, ...], ...]
+    """The operand shapes."""
+    dtype: str
+    """The operand dtypes it runs with (after its rule)."""
+    reason: str
+    scopes: tuple[str, ...]
+    path: tuple[str, ...]
+    """The higher-order primitives it is nested in, outermost first (``("jit(block)", "scan(4)")``)."""
+    source: str
+    """``"path/to/file.py:LINE"``: the user line that traced it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    primitive: str
+    rule: str
+    why: str
+    scopes: tuple[str, ...]
+    path: tuple[str, ...]
+    mult: int
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    result: tuple[str, ...]
+    island: Any
+    source: str
+    shapes: tuple[tuple[int, ...], ...]
+    eqn_id: int = 0
+
+
+class _Observer:
+    """Collects one :class:`_Record` per equation the interpreter evaluates (see
+    ``Context.observer``); keeps the stack of enclosing higher-order equations."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.stack: list[Any] = []
+        self.starts: list[int] = []
+        self.records: list[_Record] = []
+
+    def enter(self, eqn: Any) -> None:
+        self.stack.append(eqn)
+        self.starts.append(len(self.records))
+
+    def exit(self, eqn, kind, rule, scopes, arrived, bound, outs, island) -> None:
+        self.stack.pop()
+        start = self.starts.pop()
+        if kind == _plan.HIGHER:
+            if eqn.primitive.name == "cond":  # a branch traced again (to agree on dtypes): keep the last
+                body = self.records[start:]
+                last = {(r.eqn_id, r.path): i for i, r in enumerate(body)}
+                self.records[start:] = [r for i, r in enumerate(body) if last[(r.eqn_id, r.path)] == i]
+            return
+        path = tuple(_walk.label(e) for e in self.stack)
+        mult = int(np.prod([_walk.multiplier(e) for e in self.stack], dtype=np.int64))
+        if kind == _plan.STOP:  # bound as traced (the interpreter casts inside _bind_original)
+            if _walk.bodies(eqn):  # a jit/scan/... inside amp_stop: its body runs as traced
+                for sub in _walk.bodies(eqn):
+                    for e, sc, p, m in _walk.walk(sub, tuple(scopes), (*path, _walk.label(eqn)), mult * _walk.multiplier(eqn)):
+                        avals = [v.aval for v in e.invars]
+                        self._add(e, "original", "amp_stop", sc, p, m, avals, avals, [v.aval for v in e.outvars], None)
+                return
+            avals = [v.aval for v in eqn.invars]
+            self._add(eqn, "original", "amp_stop", scopes, path, mult, arrived, avals, outs, island)
+            return
+        rule_name = _RULE_NAMES.get(rule) or _rule_name(rule)
+        looked, why = self.ctx.lookup.rule_and_reason(eqn.primitive, scopes)
+        if rule is _rules.use_float32_precision and looked is not rule:
+            why = "pulled to float32 by its consumers"
+        self._add(eqn, rule_name, why, scopes, path, mult, arrived, bound, outs, island)
+
+    def _add(self, eqn, rule_name, why, scopes, path, mult, arrived, bound, outs, island) -> None:
+        if island is not None:
+            why += "; island, recomputed" if island[1] else "; island"
+        self.records.append(
+            _Record(
+                primitive=eqn.primitive.name,
+                rule=rule_name,
+                why=why,
+                scopes=tuple(scopes),
+                path=tuple(path),
+                mult=int(mult),
+                before=tuple(_walk.dtype_name(_dtype(x)) for x in arrived),
+                after=tuple(_walk.dtype_name(_dtype(x)) for x in bound),
+                result=tuple(_walk.dtype_name(_dtype(x)) for x in outs),
+                island=island,
+                source=_walk.source(eqn.source_info),
+                shapes=tuple(tuple(getattr(x, "shape", np.shape(x))) for x in bound),
+                eqn_id=id(eqn),
+            )
+        )
+
+
+def _dtype(x: Any) -> Any:
+    dtype = getattr(x, "dtype", None)  # arrays, tracers and avals
+    if dtype is not None:
+        return dtype
+    try:
+        return _dtypes.dtype_of(x)
+    except TypeError:
+        return getattr(getattr(x, "aval", None), "dtype", "?")
+
+
+class _ExplainContext(Context):
+    """A context that re-transforms every body at every call site (no cache), so each
+    call of a nested ``jit`` is observed and counted."""
+
+    def cached(self, key, jaxpr_like, build):
+        return build()
+
+
+def _runs(names: tuple[str, ...]) -> str:
+    """``("f16", "f16", "f32")`` -> ``"f16×2 f32"``."""
+    if not names:
+        return "-"
+    parts: list[list[Any]] = []
+    for n in names:
+        if parts and parts[-1][0] == n:
+            parts[-1][1] += 1
+        else:
+            parts.append([n, 1])
+    return " ".join(n if c == 1 else f"{n}×{c}" for n, c in parts)
+
+
+def _add(d: dict[str, int], key: str, n: int) -> None:
+    d[key] = d.get(key, 0) + int(n)
+
+
+def _costs(closed: Any) -> tuple[dict[str, int], dict[str, int], int]:
+    """(matmul FLOPs by operand dtype, intermediate bytes by dtype, float casts) of a jaxpr."""
+    flops: dict[str, int] = {}
+    inter: dict[str, int] = {}
+    casts = 0
+    for eqn, _, _, mult in _walk.walk(closed):
+        name = eqn.primitive.name
+        if name in _walk.MATMULS:
+            _add(flops, str(eqn.invars[0].aval.dtype), mult * _walk.flops(eqn))
+        for v in eqn.outvars:
+            if _dtypes.is_castable(v.aval.dtype):
+                _add(inter, str(v.aval.dtype), mult * _walk.nbytes(v.aval))
+        if name == "convert_element_type":
+            src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+            if _dtypes.is_castable(src) and _dtypes.is_castable(dst) and src != dst:
+                casts += 1
+    return flops, inter, casts
+
+
+def _saved(fun: Callable, args: list[Any]) -> dict[str, int]:
+    """Bytes of the residuals ``jax.vjp`` saves, by dtype, as
+    ``jax.ad_checkpoint.print_saved_residuals`` lists them: only computed values, not the
+    arguments, constants and literals (already in memory)."""
+    out: dict[str, int] = {}
+    for aval, where in _compat.saved_residuals(fun, *args):
+        if where.startswith(("from the argument", "from a constant", "from a literal")):
+            continue
+        _add(out, str(aval.dtype), _walk.nbytes(aval))
+    return out
+
+
+class Explanation:
+    """What ``amp`` does to a function: see :func:`autocast.explain`.
+
+    Attributes: ``rows`` (one per group of equations), ``totals``, ``float32_matmuls``,
+    ``compute_dtype``. ``print(explanation)`` shows a table (``rich`` when installed).
+    """
+
+    def __init__(self, compute_dtype: str, records: list[_Record], totals: dict[str, Any]):
+        self.compute_dtype = compute_dtype
+        self._records = records
+        self.totals = totals
+        groups: dict[tuple, dict[str, Any]] = {}
+        for r in records:
+            where = "/".join(r.scopes) or "(top)"
+            nest = " > ".join(r.path)
+            key = (where, nest, r.primitive, r.before, r.after, r.result, r.rule, r.why)
+            row = groups.get(key)
+            if row is None:
+                row = groups[key] = dict(
+                    scope=where, nesting=nest, primitive=r.primitive, count=0,
+                    operands=f"{_runs(r.before)} → {_runs(r.after)}", result=_runs(r.result),
+                    rule=r.rule, why=r.why,
+                )
+            row["count"] += r.mult
+        self.rows: list[dict[str, Any]] = list(groups.values())
+        half = np.dtype(compute_dtype)
+        self.float32_matmuls: list[Float32Matmul] = [
+            Float32Matmul(r.primitive, r.shapes, _runs(r.after), r.why, r.scopes, r.path, r.source)
+            for r in records
+            if r.primitive in _walk.MATMULS and r.after and r.after[0] != _walk.dtype_name(half)
+        ]
+        """Every matmul / convolution (any depth) whose operands are not in the compute dtype."""
+
+    # --- output ------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict: ``compute_dtype``, ``rows``, ``totals``, ``float32_matmuls``."""
+        return {
+            "compute_dtype": self.compute_dtype,
+            "rows": [dict(r) for r in self.rows],
+            "totals": self.totals,
+            "float32_matmuls": [
+                {**dataclasses.asdict(m), "shape": [list(s) for s in m.shape], "scopes": list(m.scopes), "path": list(m.path)}
+                for m in self.float32_matmuls
+            ],
+        }
+
+    _COLUMNS = ("scope", "nesting", "primitive", "count", "operands", "result", "rule", "why")
+
+    def _cells(self) -> list[list[str]]:
+        return [[str(row[c]) for c in self._COLUMNS] for row in self.rows]
+
+    def _total_lines(self) -> list[tuple[str, str, str]]:
+        t = self.totals
+        out = []
+        for key, title, fmt in (
+            ("matmul_flops", "matmul/conv FLOPs", _fmt_flops),
+            ("intermediate_bytes", "intermediate values", _fmt_bytes),
+            ("saved_bytes", "saved for backward", _fmt_bytes),
+        ):
+            amp, orig = t[key]["amp"], t[key]["float32"]
+            out.append((title, _by_dtype(amp, fmt), _by_dtype(orig, fmt)))
+        return out
+
+    def _summary(self) -> str:
+        t = self.totals
+        lines = [
+            f"casts inserted: {t['casts_inserted']}; float32 islands: {t['float32_islands']} "
+            f"({t['islands_recomputed']} recomputed in the backward pass)",
+        ]
+        if self.float32_matmuls:
+            lines.append(f"matmuls not in {self.compute_dtype}: {len(self.float32_matmuls)}")
+            for m in self.float32_matmuls:
+                lines.append(f"  {m.primitive} {' x '.join(map(str, m.shape))} {m.dtype} at {m.source} ({m.reason})")
+        else:
+            lines.append(f"matmuls not in {self.compute_dtype}: none")
+        return "\n".join(lines)
+
+    def to_markdown(self) -> str:
+        """The table, the totals and the float32 matmuls as GitHub markdown."""
+        head = "| " + " | ".join(self._COLUMNS) + " |\n|" + "---|" * len(self._COLUMNS) + "\n"
+        body = "".join("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |\n" for cells in self._cells())
+        totals = f"\n| total | amp ({self.compute_dtype}) | float32 original |\n|---|---|---|\n"
+        totals += "".join(f"| {a} | {b} | {c} |\n" for a, b, c in self._total_lines())
+        return head + body + totals + "\n" + self._summary().replace("\n  ", "\n- ") + "\n"
+
+    def __str__(self) -> str:
+        try:
+            return self._rich()
+        except ImportError:
+            return self._plain()
+
+    def __repr__(self) -> str:
+        return f"Explanation({len(self.rows)} rows, {len(self.float32_matmuls)} float32 matmuls)"
+
+    def _plain(self) -> str:
+        rows = [list(self._COLUMNS), *self._cells()]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(self._COLUMNS))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append("")
+        tl = [("total", f"amp ({self.compute_dtype})", "float32 original"), *self._total_lines()]
+        tw = [max(len(r[i]) for r in tl) for i in range(3)]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, tw)).rstrip() for r in tl]
+        return "\n".join(lines) + "\n" + self._summary()
+
+    def _rich(self) -> str:
+        import io
+
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"autocast.explain (compute dtype {self.compute_dtype})")
+        for c in self._COLUMNS:
+            table.add_column(c, justify="right" if c == "count" else "left")
+        for cells in self._cells():
+            table.add_row(*cells)
+        totals = Table(title="totals")
+        for c in ("total", f"amp ({self.compute_dtype})", "float32 original"):
+            totals.add_column(c)
+        for row in self._total_lines():
+            totals.add_row(*row)
+        width = sum(max(len(c) for c in col) + 3 for col in zip(*([list(self._COLUMNS)] + self._cells()))) + 4
+        buf = io.StringIO()
+        console = Console(file=buf, width=max(width, 100), color_system=None, force_terminal=False)
+        console.print(table)
+        console.print(totals)
+        console.print(self._summary(), highlight=False, markup=False)
+        return buf.getvalue().rstrip("\n")
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _fmt_flops(n: int) -> str:
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} FLOP"
+
+
+def _by_dtype(d: dict[str, int], fmt: Callable[[int], str]) -> str:
+    if not d:
+        return "0"
+    return ", ".join(f"{_walk.dtype_name(k)} {fmt(v)}" for k, v in sorted(d.items()))
+
+
+def _flat(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, list[Any]]:
+    """``fn`` as a function of its arguments' array leaves (other leaves are static)."""
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    mask = [_is_array(x) for x in leaves]
+    dynamic = [x for x, m in zip(leaves, mask) if m]
+    static = [x for x, m in zip(leaves, mask) if not m]
+
+    def flat_fn(*dyn):
+        it_dyn, it_static = iter(dyn), iter(static)
+        a, kw = jax.tree_util.tree_unflatten(treedef, [next(it_dyn) if m else next(it_static) for m in mask])
+        return [x for x in jax.tree_util.tree_leaves(fn(*a, **kw)) if _is_array(x)]
+
+    return flat_fn, dynamic
+
+
+def _check_fn(name: str, fn: Any) -> None:
+    if not callable(fn):
+        raise TypeError(f"{name}(fn={fn!r}): fn must be callable (a function, an Equinox module, ...), got {type(fn).__name__}.")
+
+
+def explain(
+    fn: Callable,
+    *,
+    compute_dtype: Any = jnp.float16,
+    amp_policy: Mapping | None = None,
+    remat_float32: bool = True,
+) -> Callable[..., Explanation]:
+    """Show what :func:`autocast.amp` does to ``fn``: which rule each operation gets and
+    why, the dtypes it runs in, and what that costs, without running anything (trace only).
+
+    **Arguments:** as for :func:`autocast.amp`.
+
+    **Returns:** a function that takes ``fn``'s arguments and returns an
+    :class:`Explanation`: ``print`` it for a table grouped by named scope and primitive
+    (count, operand dtypes before → after the rule, result dtype, rule, why), read
+    ``.totals`` (matmul FLOPs, intermediate bytes and bytes saved for the backward pass, by
+    dtype, beside the float32 original's; casts inserted; float32 islands) and
+    ``.float32_matmuls`` (each matmul/convolution not in the compute dtype, with its
+    source line), or export ``.to_dict()`` / ``.to_markdown()``.
+
+    Example::
+
+        report = autocast.explain(loss_fn)(params, batch)
+        print(report)
+        assert not report.float32_matmuls
+    """
+    _check_fn("explain", fn)
+    dtype = _dtypes.canonical_compute_dtype(compute_dtype)
+    policy = default_amp_policy if amp_policy is None else amp_policy
+    validate_policy(policy)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Explanation:
+        flat_fn, dynamic = _flat(fn, args, kwargs)
+        closed = jax.make_jaxpr(flat_fn)(*dynamic)
+        ctx = _ExplainContext(dtype, policy, remat_float32)
+        observer = _Observer(ctx)
+        ctx.observer = observer
+        scopes = _compat.scope_names(_compat.current_name_stack())
+        transformed = _transform(closed, dtype, policy, scopes, bool(remat_float32), ctx=ctx)
+        flops_amp, inter_amp, casts_amp = _costs(transformed)
+        flops_32, inter_32, casts_32 = _costs(closed)
+        islands = {id(r.island[0]): r.island[1] for r in observer.records if r.island is not None}
+        totals = {
+            "matmul_flops": {"amp": flops_amp, "float32": flops_32},
+            "intermediate_bytes": {"amp": inter_amp, "float32": inter_32},
+            "saved_bytes": {
+                "amp": _saved(_compat.jaxpr_as_fun(transformed), dynamic),
+                "float32": _saved(_compat.jaxpr_as_fun(closed), dynamic),
+            },
+            "casts_inserted": max(0, casts_amp - casts_32),
+            "float32_islands": len(islands),
+            "islands_recomputed": sum(islands.values()),
+        }
+        return Explanation(dtype.name, observer.records, totals)
+
+    return run

@@ -1,0 +1,332 @@
+"""``autocast.find_overflow``: where half precision breaks, equation by equation.
+
+The amp-transformed program is evaluated eagerly, one equation at a time, with the bodies
+of higher-order primitives inlined (``jit``/``checkpoint`` bodies in place, ``scan`` and
+``while`` as Python loops, ``cond`` as the branch taken, ``custom_jvp``/``custom_vjp`` as
+their primal body). Each equation whose result is half precision is bound a second time
+with its operands cast to float32: an *equation-local* float32 reference. A finding is an
+equation whose half-precision result is inf/NaN where the reference is finite, or is zero
+where the reference is a significant value (at least 1/1000 of the reference's largest
+magnitude), so an overflow is reported where it happens and not again downstream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat, _dtypes, _walk
+from ._amp import amp
+from ._explain import _check_fn, _flat
+
+_UNDERFLOW_SIGNIFICANCE = 1e-3
+# Primitives that only move, select or reshape their operands: their half-precision result
+# holds values that were already half precision, so they cannot overflow or underflow.
+_REARRANGING = frozenset(
+    {
+        "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "rev", "concatenate", "split",
+        "slice", "dynamic_slice", "dynamic_update_slice", "gather", "copy", "copy_p", "select_n",
+        "stop_gradient", "max", "min", "reduce_max", "reduce_min", "neg", "abs", "sign", "sharding_constraint",
+        "device_put", "reshard", "pad", "argmax", "argmin",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One equation where half precision breaks (see :func:`autocast.find_overflow`)."""
+
+    primitive: str
+    kind: str
+    """``"overflow"`` (inf), ``"nan"`` or ``"underflow"`` (flushed to zero)."""
+    source: str
+    """``"path/to/file.py:LINE"``: the user line that traced the equation."""
+    scopes: tuple[str, ...]
+    path: tuple[str, ...]
+    """Enclosing higher-order primitives, outermost first (``("jit(f)", "scan(4)")``)."""
+    half_range: tuple[float, float]
+    """(min, max) of the half-precision result."""
+    float32_range: tuple[float, float]
+    """(min, max) of the equation-local float32 reference."""
+    dtype: str
+    """The half-precision dtype of the result."""
+    count: int
+    """How many elements broke."""
+    backward: bool
+    """Whether the equation is in the backward pass (``grad=True``)."""
+    suggestion: str
+
+    def __str__(self) -> str:
+        where = "/".join(self.scopes)
+        nest = " > ".join(self.path)
+        ctx = ", ".join(x for x in (f"scope {where}" if where else "", f"in {nest}" if nest else "", "backward pass" if self.backward else "") if x)
+        return (
+            f"{self.kind} in {self.primitive} at {self.source}{f' ({ctx})' if ctx else ''}: "
+            f"{self.count} element(s); {self.dtype} range [{self.half_range[0]:.4g}, {self.half_range[1]:.4g}], "
+            f"float32 [{self.float32_range[0]:.4g}, {self.float32_range[1]:.4g}]\n    -> {self.suggestion}"
+        )
+
+
+class Findings(list):
+    """A list of :class:`Finding` in program order; prints one per line."""
+
+    checked: int = 0
+
+    def __str__(self) -> str:
+        if not self:
+            return f"no overflow, NaN or underflow in half precision ({self.checked} equations checked)"
+        lines = [f"{len(self)} finding(s) in half precision ({self.checked} equations checked), earliest first:"]
+        lines += [f"{i}. {f}" for i, f in enumerate(self, 1)]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _suggest(prim: str, kind: str, source: str, backward: bool) -> str:
+    if kind == "underflow":
+        if backward:
+            return "gradients flush to zero: use loss scaling (autocast.DynamicScalerState) or a larger scale"
+        return f"values flush to zero in half precision: wrap {source} in `with autocast.amp_stop():`, use bfloat16, or rescale"
+    if backward:
+        return f"the scaled gradient overflows in {prim}: lower the loss scale, or wrap {source} in `with autocast.amp_stop():`"
+    if prim == "convert_element_type":
+        return (
+            f"a float32 value does not fit in half precision where amp casts it for its consumer: wrap {source} in "
+            "`with autocast.amp_stop():`, or give the consumer a float32 rule"
+        )
+    return (
+        f"wrap {source} in `with autocast.amp_stop():`, or run it in float32 with "
+        f"autocast.extend_policy({{jax.lax.{prim}_p: autocast.use_float32_precision}})"
+    )
+
+
+class _Checker:
+    """Evaluates a jaxpr eagerly, equation by equation (JAX compiles each primitive once
+    per shape and caches it, so repeated layers cost little), checking every
+    half-precision result against its equation-local float32 reference."""
+
+    def __init__(self):
+        self.findings = Findings()
+        self.seen: set = set()
+        self.checked = 0
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], scopes: tuple, path: tuple, backward: bool) -> list[Any]:
+        env: dict[Any, Any] = {}
+
+        def read(v):
+            return v.val if isinstance(v, _compat.Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            here = scopes + _compat.scope_names(eqn.source_info.name_stack)
+            outs = self.eqn(eqn, [read(v) for v in eqn.invars], here, path, backward or _is_backward(eqn))
+            for v, x in zip(eqn.outvars, outs):
+                if not isinstance(v, _compat.DropVar):
+                    env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def body(self, closed: Any, args: Sequence[Any], scopes, path, bwd) -> list[Any]:
+        open_, consts = _compat.open_and_consts(closed)
+        return self.run(open_, consts, args, scopes, path, bwd)
+
+    def eqn(self, eqn: Any, invals: list, scopes, path, bwd) -> list[Any]:
+        prim, params = eqn.primitive, eqn.params
+        here = (*path, _walk.label(eqn))
+        if prim in (_compat.jit_p, _compat.closed_call_p, _compat.remat_p):
+            return self.body(params["jaxpr" if "jaxpr" in params else "call_jaxpr"], invals, scopes, here, bwd)
+        if prim in (_compat.custom_jvp_call_p, _compat.custom_vjp_call_p):  # the primal body
+            return self.body(params["call_jaxpr"], invals, scopes, here, bwd)
+        if prim is _compat.cond_p:
+            branch = params["branches"][int(np.asarray(invals[0]))]
+            return self.body(branch, invals[1:], scopes, here, bwd)
+        if prim is _compat.scan_p:
+            return self.scan(eqn, invals, scopes, here, bwd)
+        if prim is _compat.while_p:
+            nc, nb = params["cond_nconsts"], params["body_nconsts"]
+            cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+            while bool(np.asarray(self.body(params["cond_jaxpr"], [*cconsts, *carry], scopes, here, bwd)[0])):
+                carry = self.body(params["body_jaxpr"], [*bconsts, *carry], scopes, here, bwd)
+            return carry
+        outs = _compat.bind(prim, invals, dict(params))
+        if not _walk.bodies(eqn) and any(_walk.is_half(v.aval.dtype) for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype)):
+            self.check(eqn, invals, outs, scopes, path, bwd)
+        return outs
+
+    def scan(self, eqn: Any, invals: list, scopes, path, bwd) -> list[Any]:
+        params = eqn.params
+        n_consts, n_carry = _compat.scan_counts(params)
+        length = int(params["length"])
+        consts, carry, xs = invals[:n_consts], invals[n_consts : n_consts + n_carry], invals[n_consts + n_carry :]
+        ys_steps = []
+        order = range(length - 1, -1, -1) if params.get("reverse") else range(length)
+        for i in order:
+            outs = self.body(params["jaxpr"], [*consts, *carry, *(x[i] for x in xs)], scopes, path, bwd)
+            carry, ys = outs[:n_carry], outs[n_carry:]
+            ys_steps.append(ys)
+        if params.get("reverse"):
+            ys_steps.reverse()
+        open_, _ = _compat.open_and_consts(params["jaxpr"])
+        y_avals = [v.aval for v in open_.outvars[n_carry:]]
+        stacked = [
+            jnp.stack([s[k] for s in ys_steps]) if ys_steps else jnp.zeros((0, *a.shape), a.dtype)
+            for k, a in enumerate(y_avals)
+        ]
+        return [*carry, *stacked]
+
+    # --- the equation-local float32 reference ---------------------------------------------
+
+    def check(self, eqn: Any, invals: list, outs: list, scopes, path, bwd) -> None:
+        """Bind ``eqn`` again with its half operands (and half dtype parameters) in float32."""
+        name = eqn.primitive.name
+        if name in _REARRANGING or any(_compat.is_jaxpr_like(v) for v in eqn.params.values()):
+            return  # moves half values without computing new ones / a combiner typed for half
+        if name == "convert_element_type":  # the reference of a cast is its input
+            self._report(eqn, scopes, path, bwd, str(np.dtype(outs[0].dtype)), _stats(np.asarray(outs[0], np.float32), np.asarray(invals[0], np.float32)))
+            return
+        ref_in = [_dtypes.cast(x, _dtypes.FLOAT32) if _walk.is_half(_dtypes.dtype_of(x)) else x for x in invals]
+        params = {k: (_dtypes.FLOAT32 if _is_half_dtype(v) else v) for k, v in eqn.params.items()}
+        try:
+            refs = _compat.bind(eqn.primitive, ref_in, params)
+        except Exception:  # noqa: BLE001 - a primitive that only exists in half precision
+            return
+        for out, ref in zip(outs, refs):
+            if _walk.is_half(_dtypes.dtype_of(out)) and np.shape(out) == np.shape(ref):
+                self._report(eqn, scopes, path, bwd, str(np.dtype(out.dtype)), _stats(np.asarray(out, np.float32), np.asarray(ref, np.float32)))
+
+    def _report(self, eqn: Any, scopes, path, bwd, dtype: str, st: dict) -> None:
+        self.checked += 1
+        if st["bad"] > 0:
+            kind, count = ("overflow" if st["inf"] > 0 else "nan"), int(st["bad"])
+        elif st["flushed"] > 0:
+            kind, count = "underflow", int(st["flushed"])
+        else:
+            return
+        key = (id(eqn), kind)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        src = _walk.source(eqn.source_info)
+        self.findings.append(
+            Finding(
+                primitive=eqn.primitive.name, kind=kind, source=src, scopes=tuple(scopes), path=tuple(path),
+                half_range=(float(st["hmin"]), float(st["hmax"])), float32_range=(float(st["rmin"]), float(st["rmax"])),
+                dtype=dtype, count=count, backward=bool(bwd), suggestion=_suggest(eqn.primitive.name, kind, src, bwd),
+            )
+        )
+
+
+def _stats(h: np.ndarray, r: np.ndarray) -> dict[str, Any]:
+    """Counts and ranges comparing a half-precision result with its float32 reference."""
+    fin = np.isfinite(r)
+    bad = ~np.isfinite(h) & fin
+    big = float(np.max(np.abs(r[fin]), initial=0.0))
+    flushed = (h == 0) & (r != 0) & fin & (np.abs(r) >= _UNDERFLOW_SIGNIFICANCE * big)
+    with np.errstate(invalid="ignore"):
+        return {
+            "bad": int(bad.sum()), "inf": int((bad & np.isinf(h)).sum()), "flushed": int(flushed.sum()),
+            "hmin": float(np.min(h, initial=np.inf)), "hmax": float(np.max(h, initial=-np.inf)),
+            "rmin": float(np.min(r, initial=np.inf)), "rmax": float(np.max(r, initial=-np.inf)),
+        }
+
+
+def _is_half_dtype(v: Any) -> bool:
+    if isinstance(v, (str, bool, int, float)) or v is None:
+        return False
+    try:
+        return _walk.is_half(np.dtype(v))
+    except TypeError:
+        return False
+
+
+def _is_backward(eqn: Any) -> bool:
+    """Whether JAX's name stack marks ``eqn`` as part of a transpose (the backward pass)."""
+    stack = getattr(eqn.source_info.name_stack, "stack", ())
+    return any(type(e).__name__ != "Scope" and "transpose" in str(getattr(e, "name", "")) for e in stack)
+
+
+def find_overflow(
+    fn: Callable,
+    *,
+    compute_dtype: Any = jnp.float16,
+    amp_policy: Mapping | None = None,
+    grad: bool = False,
+    scale: float = 2.0**15,
+) -> Callable[..., Findings]:
+    """Find where ``fn`` breaks in half precision under :func:`autocast.amp`.
+
+    Runs ``amp(fn)`` eagerly, equation by equation (inside nested ``jit``, ``scan``,
+    ``while``, ``cond``, ``checkpoint`` and custom-derivative bodies), and compares each
+    half-precision result with the same equation evaluated in float32 on the same inputs.
+
+    **Arguments:**
+
+    - ``fn``, ``compute_dtype``, ``amp_policy``: as for :func:`autocast.amp`.
+    - ``grad``: also check the backward pass; ``fn`` must return a scalar float loss, and
+      the gradient is taken with respect to every floating array leaf of the arguments.
+    - ``scale``: the loss scale the backward pass is checked at (``grad=True``).
+
+    **Returns:** a function that takes ``fn``'s (concrete) arguments and returns a list of
+    :class:`Finding` in program order, earliest first: ``kind`` ``"overflow"``/``"nan"``
+    (inf/NaN in half precision, finite in float32) or ``"underflow"`` (zero in half
+    precision, a significant value in float32), with the primitive, the source line, the
+    scopes, both value ranges and a suggestion. ``print`` it.
+
+    Example::
+
+        findings = autocast.find_overflow(loss_fn, grad=True, scale=1.0)(params, batch)
+        print(findings)
+    """
+    _check_fn("find_overflow", fn)
+    dtype = _dtypes.canonical_compute_dtype(compute_dtype)
+    if not isinstance(grad, bool):
+        raise TypeError(f"find_overflow(grad={grad!r}): grad must be True or False.")
+    try:
+        scale_f = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"find_overflow(scale={scale!r}): scale must be a positive finite number.") from None
+    if not (np.isfinite(scale_f) and scale_f > 0):
+        raise ValueError(f"find_overflow(scale={scale!r}): scale must be a positive finite number.")
+    amp_fn = amp(fn, compute_dtype=dtype, amp_policy=amp_policy)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Findings:
+        flat_fn, dynamic = _flat(amp_fn, args, kwargs)
+        target = _grad_target(flat_fn, dynamic, scale_f) if grad else flat_fn
+        closed = jax.make_jaxpr(target)(*dynamic)
+        checker = _Checker()
+        jaxpr, consts = _compat.open_and_consts(closed)
+        checker.run(jaxpr, consts, dynamic, _compat.scope_names(_compat.current_name_stack()), (), False)
+        checker.findings.checked = checker.checked
+        return checker.findings
+
+    return run
+
+
+def _grad_target(flat_fn: Callable, dynamic: list[Any], scale: float) -> Callable:
+    """``(loss * scale, *grads)`` of ``flat_fn`` w.r.t. its floating leaves."""
+    shapes = jax.eval_shape(flat_fn, *dynamic)
+    if len(shapes) != 1 or shapes[0].shape != () or not _dtypes.is_floating(shapes[0].dtype):
+        got = ", ".join(f"{s.dtype}{list(s.shape)}" for s in shapes) or "no array"
+        raise ValueError(f"find_overflow(grad=True): fn must return a scalar float loss; got {got}.")
+    idx = [i for i, x in enumerate(dynamic) if _dtypes.is_floating(_dtypes.dtype_of(x))]
+
+    def target(*dyn):
+        def loss(floats):
+            full = list(dyn)
+            for i, f in zip(idx, floats):
+                full[i] = f
+            return flat_fn(*full)[0].astype(jnp.float32) * scale
+
+        value, grads = jax.value_and_grad(loss)([dyn[i] for i in idx])
+        return [value, *grads]
+
+    return target
