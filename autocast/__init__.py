@@ -5,6 +5,7 @@ convolutions in float16/bfloat16, numerically sensitive operations in float32); 
 scalers and scaled-gradient wrappers make float16 training safe.
 """
 
+from . import _higher_order  # noqa: F401  (registers the higher-order handlers)
 from ._amp import amp as amp
 from ._policy import AmpPolicy as AmpPolicy
 from ._policy import default_amp_policy as default_amp_policy

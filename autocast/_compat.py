@@ -156,20 +156,50 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def wrap_jaxpr_thunk(thunk: Any, transform: Callable[[Any, list[Any]], tuple[Any, list[Any]]]) -> Any:
-    """Wrap a custom-derivative thunk (``fwd_jaxpr_thunk`` of ``custom_vjp_call``,
-    ``jvp_jaxpr_fun`` of ``custom_jvp_call``) so that the ``(jaxpr, consts, ...)`` it
-    returns goes through ``transform(jaxpr, consts) -> (jaxpr, consts)``.
+# --- custom derivatives: the thunks JAX stores in custom_jvp_call / custom_vjp_call -------
 
-    JAX 0.10: both are ``lu.WrappedFun`` called with the symbolic-zero flags.
+# JAX raises this from a custom_vjp forward rule when a closed-over value is differentiated.
+CustomVJPException = importlib.import_module("jax._src.interpreters.ad").CustomVJPException
+
+# JAX >= 0.12 (``custom_vjp.defvjp_with_logs``): the flattened ``bwd`` returns
+# ``(cotangents, logs)``; before, the cotangents alone.
+_BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
+
+
+def call_jvp_rule_thunk(thunk: Any, zeros: Sequence[bool]) -> tuple[Any, list[Any], list[bool]]:
+    """The JVP rule of a ``custom_jvp_call`` traced for these symbolic-zero tangent flags:
+    ``(open_jaxpr, consts, out_zeros)``; the jaxpr takes the primals, then the nonzero
+    tangents, and returns the primal outputs, then the nonzero output tangents.
+
+    JAX 0.9.2 .. 0.12: ``jvp_jaxpr_fun`` is an ``lu.WrappedFun`` called with the flags.
     """
+    jaxpr, consts, out_zeros = thunk.call_wrapped(*zeros)
+    return jaxpr, list(consts), list(out_zeros)
 
-    def wrapped(*zeros):
-        jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
-        new_jaxpr, new_consts = transform(jaxpr, list(consts))
-        return (new_jaxpr, new_consts, *rest)
 
-    return jex_lu.wrap_init(wrapped, debug_info=thunk.debug_info)
+def call_custom_bwd(bwd: Any, res: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
+    """Call the flattened ``bwd`` of a ``custom_vjp_call`` equation on flat residuals and
+    output cotangents; returns one cotangent per non-constant operand (zeros may be
+    symbolic: see :func:`is_zero`)."""
+    out = bwd.call_wrapped(*res, *cts)
+    if _BWD_RETURNS_LOGS:  # JAX >= 0.12
+        out = out[0]
+    return list(out)
+
+
+_ZERO_TYPES = tuple(
+    t
+    for t in (
+        getattr(importlib.import_module("jax._src.ad_util"), "Zero", None),
+        getattr(importlib.import_module("jax.custom_derivatives"), "SymbolicZero", None),
+    )
+    if t is not None
+)
+
+
+def is_zero(x: Any) -> bool:
+    """A symbolic zero (``ad_util.Zero`` or the public ``SymbolicZero``)."""
+    return isinstance(x, _ZERO_TYPES)
 
 
 # --- primitives the interpreter treats specially ----------------------------------------
