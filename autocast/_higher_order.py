@@ -239,7 +239,16 @@ def _custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tup
 # --- loops: carries keep the dtype of their initial value ---------------------------------
 
 
-@register_higher_order(_compat.scan_p)
+def _scan_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
+    """Constants and scanned-over inputs the body consumes only in float32 (carries keep
+    the dtype their initial value arrives in, so they are never pulled)."""
+    n_consts, n_carry = _compat.scan_counts(eqn.params)
+    flags = _plan.input_pulls(ctx, eqn.params["jaxpr"], scopes, [*[False] * n_carry, *out32[n_carry:]])
+    flags[n_consts : n_consts + n_carry] = [False] * n_carry
+    return flags
+
+
+@register_higher_order(_compat.scan_p, pulls=_scan_pulls)
 def _scan(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     params = dict(eqn.params)
     n_consts, n_carry = _compat.scan_counts(params)
@@ -249,7 +258,8 @@ def _scan(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, ou
     free[n_consts : n_consts + n_carry] = [False] * n_carry
     _, body_outs = _boundary_dtypes(body)
     out_dtypes = [*in_dtypes[n_consts : n_consts + n_carry], *([None] * (len(body_outs) - n_carry))]
-    new, _, body_free = transform_jaxpr(ctx, body, in_dtypes, free, scopes, out_dtypes=out_dtypes)
+    body_out32 = [*(d == _dtypes.FLOAT32 for d in out_dtypes[:n_carry]), *out32[n_carry:]]
+    new, _, body_free = transform_jaxpr(ctx, body, in_dtypes, free, scopes, out_dtypes=out_dtypes, out_float32=body_out32)
     out_free = [False] * n_carry + body_free[n_carry:]
     params["jaxpr"] = new
     return _compat.bind(eqn.primitive, invals, params), out_free

@@ -135,3 +135,27 @@ def test_custom_jvp_body_sees_float32_consumers(dtype):
     calls = [e for e, _ in walk(closed) if e.primitive.name == "custom_jvp_call"]
     assert calls and all(str(e.outvars[0].aval.dtype) == "float32" for e in calls)
     np.testing.assert_allclose(autocast.amp(f, compute_dtype=dtype)(w, x), f(w, x), rtol=1e-2)
+
+
+def test_scan_reads_its_inputs_from_one_float32_value():
+    """Into loop bodies: the rows a ``scan`` runs over are consumed only in float32, so the
+    half-precision matrix is converted once, outside, and shared with the float32
+    consumer outside the loop (``remat_float32=False``: no islands in between)."""
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((16, 8), dtype=np.float32) / 4)
+    x = jnp.asarray(rng.standard_normal((32, 16), dtype=np.float32))
+
+    def f(w, x):
+        y = x @ w
+        total, rows = jax.lax.scan(lambda c, row: (c + jnp.sum(jnp.exp(row)), jnp.log(jnp.abs(row) + 1.0)), 0.0, y)
+        return total + jnp.sum(rows) + jnp.sum(jnp.exp(y))
+
+    closed = jax.make_jaxpr(autocast.amp(f, remat_float32=False))(w, x)
+    converts = [
+        e for e, _ in walk(closed)
+        if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == jnp.float32 and e.invars[0].aval.shape in ((32, 8), (8,))
+    ]
+    assert len(converts) == 1, converts
+    (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+    assert scan.invars[-1] is converts[0].outvars[0]
+    np.testing.assert_allclose(autocast.amp(f)(w, x), f(w, x), rtol=2e-3)
