@@ -56,7 +56,8 @@ def _mpx_recipe(loss, dtype):
 
 
 def _largest_float32_residual(f, params, x, y) -> int:
-    """Bytes of the largest float32 residual that is not an argument of ``f``."""
+    """Bytes of the largest float32 residual with a batch dimension (an activation; the
+    batch size differs from every layer width, so weights do not count)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         print_saved_residuals(f, params, x, y)
@@ -65,7 +66,10 @@ def _largest_float32_residual(f, params, x, y) -> int:
         m = _LINE.match(line.strip())
         if not m or m.group(1) != "f32" or "from the argument" in line:
             continue
-        n = int(np.prod([int(d) for d in m.group(2).split(",") if d])) if m.group(2) else 1
+        shape = [int(d) for d in m.group(2).split(",") if d]
+        if not shape or shape[0] != x.shape[0]:
+            continue
+        n = int(np.prod(shape))
         largest = max(largest, 4 * n)
     return largest
 
@@ -121,13 +125,15 @@ def min_cross_entropy(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=384)
     parser.add_argument("--in-size", type=int, default=64)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--ce-seeds", type=int, default=4)
     args = parser.parse_args()
+    if args.batch in (args.in_size, args.width, args.classes):
+        parser.error(f"--batch={args.batch} must differ from the layer sizes (residuals are told apart by their batch dimension)")
     meta = _common.metadata()
     residuals = residual_table(args)
     ce = min_cross_entropy(args)
@@ -145,7 +151,7 @@ def main() -> None:
         "",
         f"MLP {args.in_size} -> {args.depth} x {args.width} -> {args.classes}, batch {args.batch}, "
         "mean softmax cross-entropy. *Activation residuals*: bytes of the residuals saved for the "
-        "backward pass that are computed from the batch. *Largest f32*: the largest float32 residual "
+        "backward pass that are computed from the batch. *Largest f32*: the largest float32 residual with a batch dimension "
         f"(an activation is {fmt(4 * args.batch * args.width)} in float32).",
         "",
         "| activation | system | activation residuals | by dtype | largest f32 |",
