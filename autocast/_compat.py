@@ -177,6 +177,16 @@ def call_jvp_rule_thunk(thunk: Any, zeros: Sequence[bool]) -> tuple[Any, list[An
     return jaxpr, list(consts), list(out_zeros)
 
 
+def split_consts(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """The values for ``jaxpr.constvars`` and for ``jaxpr.invars``, from the constants a
+    thunk returned and the arguments. JAX >= 0.12 binds the constants to the leading
+    variables of ``all_invars`` (constvars, then invars), and its thunks may return
+    constants for a jaxpr without constvars; before, they match ``constvars`` one to one."""
+    values = [*consts, *args]
+    n = len(jaxpr.constvars)
+    return values[:n], values[n:]
+
+
 def call_custom_bwd(bwd: Any, res: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
     """Call the flattened ``bwd`` of a ``custom_vjp_call`` equation on flat residuals and
     output cotangents; returns one cotangent per non-constant operand (zeros may be

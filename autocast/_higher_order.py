@@ -160,7 +160,8 @@ def _custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tup
         rule_out32 = [*out32, *[False] * (len(jaxpr.outvars) - len(out32))]
 
         def run(*args):
-            return eval_jaxpr(ctx, jaxpr, consts, args, [False] * len(args), scopes, rule_out32)[0]
+            cs, xs = _compat.split_consts(jaxpr, consts, args)
+            return eval_jaxpr(ctx, jaxpr, cs, xs, [False] * len(xs), scopes, rule_out32)[0]
 
         if ctx.remat and any(_plan.plan(ctx, jaxpr, scopes, rule_out32)[1]):
             # the rule computes in float32 (softplus: exp(x - softplus(x))): recompute it in
@@ -208,7 +209,8 @@ def _custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tup
         _, res_tree, input_fwds = out_trees()
         n_res = res_tree.num_leaves - sum(f is not None for f in input_fwds)
         out32_fwd = [*[False] * n_res, *out32]
-        outs, _ = eval_jaxpr(ctx, jaxpr, consts, vals[n:], [False] * (len(vals) - n), scopes, out32_fwd)
+        cs, xs = _compat.split_consts(jaxpr, consts, vals[n:])
+        outs, _ = eval_jaxpr(ctx, jaxpr, cs, xs, [False] * len(xs), scopes, out32_fwd)
         res_iter, res_dt = iter(outs[:n_res]), iter(v.aval.dtype for v in jaxpr.outvars[:n_res])
         res, dts = [], []
         for f in input_fwds:
