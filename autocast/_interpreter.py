@@ -27,8 +27,10 @@ Sharp edges:
   between ``cond`` branches are cast back to their traced dtype.
 - An elementwise operation whose results are only consumed in float32 runs in float32
   (``_plan.py``), so ``x - max(x)`` before an ``exp`` is not rounded to half first. This
-  sees through nested ``jit``/``checkpoint``/``closed_call`` bodies and custom-derivative
-  bodies in both directions (see :func:`autocast._plan.input_pulls`).
+  sees through nested bodies: outputs of ``jit``/``checkpoint``/``scan``/custom-derivative
+  bodies consumed only in float32 are computed in float32, and operands that ``jit``,
+  ``checkpoint`` and ``scan`` bodies read only in float32 are cast once, outside (see
+  :func:`autocast._plan.input_pulls`).
 - With ``remat_float32`` each contiguous run of float32 equations is evaluated inside its
   own ``jax.checkpoint`` (an island), so their float32 results are recomputed in the
   backward pass rather than saved. Islands are local: an enclosing user checkpoint keeps
