@@ -12,9 +12,10 @@ What changed across the supported range, and where it is handled:
 - JAX 0.10: ``DropVar`` in ``jax.extend.core``.
 - JAX 0.11: ``ClosedJaxpr`` merged into ``Jaxpr``: :func:`is_closed`, :func:`close_jaxpr`.
 - JAX 0.12: the constants of a traced jaxpr are its leading invars (``constvars`` are only
-  those with values attached): :func:`bind_inputs`, :func:`arg_invars`,
-  :func:`close_jaxpr`; ``scan`` describes its operand groups with a ``FlatTree`` ``ft_in``
-  instead of ``num_consts``/``num_carry``: :func:`scan_counts`.
+  those with values attached): :func:`bind_inputs` (also for the jaxprs that
+  custom-derivative thunks return), :func:`close_jaxpr`; ``scan`` describes its operand
+  groups with a ``FlatTree`` ``ft_in`` instead of ``num_consts``/``num_carry``:
+  :func:`scan_counts`; a ``custom_vjp`` ``bwd`` also returns logs: :func:`call_custom_bwd`.
 """
 
 from __future__ import annotations
@@ -153,14 +154,6 @@ def bind_inputs(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[
     return [(v, x, i < len(consts)) for i, (v, x) in enumerate(zip(all_vars, vals))]
 
 
-def arg_invars(jaxpr: Any, num_consts: int) -> list[Any]:
-    """The invars of an open jaxpr that take arguments, not the ``num_consts`` constants
-    (which JAX >= 0.12 puts first among the invars of a traced jaxpr)."""
-    if jaxpr.constvars or not num_consts:  # JAX <= 0.11, or constants attached
-        return list(jaxpr.invars)
-    return list(jaxpr.invars[num_consts:])  # JAX >= 0.12
-
-
 def constvars_to_invars(jaxpr: Any) -> Any:
     """Turn the constvars of an open jaxpr into leading invars."""
     return _pe.convert_constvars_jaxpr(jaxpr)
@@ -191,20 +184,50 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def wrap_jaxpr_thunk(thunk: Any, transform: Callable[[Any, list[Any]], tuple[Any, list[Any]]]) -> Any:
-    """Wrap a custom-derivative thunk (``fwd_jaxpr_thunk`` of ``custom_vjp_call``,
-    ``jvp_jaxpr_fun`` of ``custom_jvp_call``) so that the ``(jaxpr, consts, ...)`` it
-    returns goes through ``transform(jaxpr, consts) -> (jaxpr, consts)``.
+# --- custom derivatives: the thunks JAX stores in custom_jvp_call / custom_vjp_call -------
 
-    JAX 0.10: both are ``lu.WrappedFun`` called with the symbolic-zero flags.
+# JAX raises this from a custom_vjp forward rule when a closed-over value is differentiated.
+CustomVJPException = importlib.import_module("jax._src.interpreters.ad").CustomVJPException
+
+# JAX >= 0.12 (``custom_vjp.defvjp_with_logs``): the flattened ``bwd`` returns
+# ``(cotangents, logs)``; before, the cotangents alone.
+_BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
+
+
+def call_jvp_rule_thunk(thunk: Any, zeros: Sequence[bool]) -> tuple[Any, list[Any], list[bool]]:
+    """The JVP rule of a ``custom_jvp_call`` traced for these symbolic-zero tangent flags:
+    ``(open_jaxpr, consts, out_zeros)``; the jaxpr takes the primals, then the nonzero
+    tangents, and returns the primal outputs, then the nonzero output tangents.
+
+    JAX 0.9.2 .. 0.12: ``jvp_jaxpr_fun`` is an ``lu.WrappedFun`` called with the flags.
     """
+    jaxpr, consts, out_zeros = thunk.call_wrapped(*zeros)
+    return jaxpr, list(consts), list(out_zeros)
 
-    def wrapped(*zeros):
-        jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
-        new_jaxpr, new_consts = transform(jaxpr, list(consts))
-        return (new_jaxpr, new_consts, *rest)
 
-    return jex_lu.wrap_init(wrapped, debug_info=thunk.debug_info)
+def call_custom_bwd(bwd: Any, res: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
+    """Call the flattened ``bwd`` of a ``custom_vjp_call`` equation on flat residuals and
+    output cotangents; returns one cotangent per non-constant operand (zeros may be
+    symbolic: see :func:`is_zero`)."""
+    out = bwd.call_wrapped(*res, *cts)
+    if _BWD_RETURNS_LOGS:  # JAX >= 0.12
+        out = out[0]
+    return list(out)
+
+
+_ZERO_TYPES = tuple(
+    t
+    for t in (
+        getattr(importlib.import_module("jax._src.ad_util"), "Zero", None),
+        getattr(importlib.import_module("jax.custom_derivatives"), "SymbolicZero", None),
+    )
+    if t is not None
+)
+
+
+def is_zero(x: Any) -> bool:
+    """A symbolic zero (``ad_util.Zero`` or the public ``SymbolicZero``)."""
+    return isinstance(x, _ZERO_TYPES)
 
 
 def user_frame(source_info: Any) -> tuple[str, int] | None:

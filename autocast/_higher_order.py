@@ -1,14 +1,23 @@
 """Transforming the bodies of primitives that hold jaxprs.
 
-One generic path covers every such primitive: its operands go back to their traced dtypes
-and each jaxpr parameter is transformed with the same policy *keeping its boundary
-types*, so the primitive's other parameters (custom derivative rules, reducers, sharding
-annotations, ...) stay valid without surgery. A few primitives get a more specific rule
-that lets half-precision values cross the boundary, because they are everywhere in real
-models and a round trip through float32 at each boundary would cost memory:
+Each handler registers into the table of :mod:`autocast._registry` at import (like JAX's
+``ad.primitive_jvps[p] = rule`` lines); the planner reads the table.
+
+One generic path covers every primitive without a handler of its own: its operands go
+back to their traced dtypes and each jaxpr parameter is transformed with the same policy
+*keeping its boundary types*, so the primitive's other parameters (reducers, sharding
+annotations, ...) stay valid without surgery. The primitives that are everywhere in real
+models get a handler that lets half-precision values cross the boundary, because a round
+trip through float32 at each boundary would cost memory and converts:
 
 - ``jit`` / ``closed_call`` / ``checkpoint``: the body is specialised to the dtypes its
-  operands arrive in; outputs keep whatever dtype the body computes.
+  operands arrive in; outputs keep whatever dtype the body computes. Operands the body
+  consumes only in float32 (through gathers, slices, additions) are cast once, outside.
+- ``custom_jvp_call`` / ``custom_vjp_call``: rebuilt through ``jax.custom_jvp`` /
+  ``jax.custom_vjp``. The body, the JVP rule and the forward rule run in the dtypes their
+  operands arrive in, under the same policy; the user's ``bwd`` is called with the
+  residuals and cotangents as they arrive, and adapted at its boundary if it cannot take
+  them. So ``relu(x16)`` stays half and saves half (or boolean) residuals.
 - ``scan`` / ``while``: constants and scanned-over inputs are specialised; loop carries keep
   the dtype their initial value arrives in; stacked outputs are specialised.
 - ``cond``: operands are specialised; an output whose dtype differs between branches is
@@ -19,65 +28,16 @@ models and a round trip through float32 at each boundary would cost memory:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from . import _compat, _dtypes
-from ._interpreter import Context, eval_jaxpr, original_dtypes
-
-Handler = Callable[[Context, Any, list, list, tuple], tuple[list, list]]
-
-
-def _jaxpr_params(params: dict[str, Any]) -> list[str]:
-    keys = []
-    for key, val in params.items():
-        if _compat.is_jaxpr_like(val) or (type(val) is tuple and val and all(_compat.is_jaxpr_like(v) for v in val)):
-            keys.append(key)
-    return keys
-
-
-def transform_jaxpr(
-    ctx: Context,
-    jaxpr_like: Any,
-    in_dtypes: Sequence[Any],
-    in_free: Sequence[bool],
-    scopes: tuple[str, ...],
-    out_dtypes: Sequence[Any | None] | None = None,
-) -> tuple[Any, list[Any], list[bool]]:
-    """Transform a (closed or open) jaxpr for operands of ``in_dtypes``.
-
-    Outputs are cast to ``out_dtypes`` where given (``None`` entries: any dtype). Returns
-    ``(new, extra_consts, out_free)``: a closed jaxpr comes back closed with
-    ``extra_consts == []``; an open one comes back open, with any constants it needs turned
-    into leading invars and returned as ``extra_consts`` (to be passed as leading
-    operands). ``out_free`` tells which outputs are free values.
-    """
-    key = (tuple(map(str, in_dtypes)), tuple(in_free), scopes, None if out_dtypes is None else tuple(map(str, out_dtypes)))
-
-    def build():
-        open_, consts = _compat.open_and_consts(jaxpr_like)
-        in_avals = [_compat.aval_with_dtype(v.aval, d) for v, d in zip(open_.invars, in_dtypes)]
-        out_free: list[bool] = []
-
-        def fun(*args):
-            out32 = None if out_dtypes is None else [d is not None and d == _dtypes.FLOAT32 for d in out_dtypes]
-            outs, free = eval_jaxpr(ctx, open_, consts, args, in_free, scopes, out32)
-            if out_dtypes is not None:
-                outs = [x if d is None else _dtypes.cast(x, d) for x, d in zip(outs, out_dtypes)]
-            out_free[:] = free
-            return outs
-
-        new_open, new_consts = _compat.trace_to_jaxpr(fun, in_avals)
-        if _compat.is_closed(jaxpr_like):
-            return (_compat.close_jaxpr(new_open, new_consts), []), list(out_free)
-        if new_consts:
-            return (_compat.constvars_to_invars(new_open), list(new_consts)), list(out_free)
-        return (new_open, []), list(out_free)
-
-    (new, extra), out_free = ctx.cached(key, jaxpr_like, build)
-    return new, extra, list(out_free)
+from . import _compat, _dtypes, _plan
+from ._interpreter import Context, eval_jaxpr, original_dtypes, transform_jaxpr
+from ._registry import Handler, jaxpr_params, register_fallback, register_higher_order
 
 
 def _current_dtypes(invals: Sequence[Any], orig: Sequence[Any]) -> list[Any]:
@@ -89,14 +49,22 @@ def _boundary_dtypes(jaxpr_like: Any) -> tuple[list[Any], list[Any]]:
     return [v.aval.dtype for v in open_.invars], [v.aval.dtype for v in open_.outvars]
 
 
+def _cast_castable(x: Any, dtype: Any) -> Any:
+    """``x`` cast to ``dtype`` when both are float16/bfloat16/float32; else ``x``."""
+    if _dtypes.is_castable(dtype) and _dtypes.is_castable(_dtypes.dtype_of(x)):
+        return _dtypes.cast(x, dtype)
+    return x
+
+
 # --- the generic path --------------------------------------------------------------------
 
 
-def _generic(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple):
+@register_fallback
+def _generic(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool] = ()):
     orig = original_dtypes(eqn)
     invals = [_dtypes.cast(x, d) if _dtypes.is_castable(d) else x for x, d in zip(invals, orig)]
     params = dict(eqn.params)
-    for key in _jaxpr_params(params):
+    for key in jaxpr_params(params):
         val = params[key]
         items = val if type(val) is tuple else (val,)
         new_items = []
@@ -111,44 +79,14 @@ def _generic(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple)
     return outs, [False] * len(outs)
 
 
-# --- custom derivatives: the body and the rules, with the traced boundary types ---------
-
-
-def _custom_derivative(thunk_param: str) -> Handler:
-    """``custom_jvp_call`` / ``custom_vjp_call``: the generic path for the primal body, and
-    the JVP rule / forward rule transformed the same way when JAX asks for it under AD, so
-    matmuls inside them run in the compute dtype too. Their inputs and outputs (including
-    ``custom_vjp`` residuals) keep the traced dtypes, so the user's rules apply unchanged."""
-
-    def handler(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple):
-        thunk = eqn.params.get(thunk_param)
-        if thunk is None or not hasattr(thunk, "call_wrapped"):
-            return _generic(ctx, eqn, invals, in_free, scopes)
-
-        def transform(jaxpr: Any, consts: list) -> tuple[Any, list]:
-            in_avals = [v.aval for v in _compat.arg_invars(jaxpr, len(consts))]
-            out_dtypes = [v.aval.dtype for v in jaxpr.outvars]
-
-            def fun(*args):
-                outs, _ = eval_jaxpr(ctx, jaxpr, consts, args, [False] * len(args), scopes, [d == _dtypes.FLOAT32 for d in out_dtypes])
-                return [_dtypes.cast(x, d) if _dtypes.is_castable(d) else x for x, d in zip(outs, out_dtypes)]
-
-            return _compat.trace_to_jaxpr(fun, in_avals)
-
-        new_eqn = eqn.replace(params={**eqn.params, thunk_param: _compat.wrap_jaxpr_thunk(thunk, transform)})
-        return _generic(ctx, new_eqn, invals, in_free, scopes)
-
-    return handler
-
-
 # --- call-like primitives: specialise the body to the incoming dtypes ----------------------
 
 
 def _call_like(param: str) -> Handler:
-    def handler(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple):
+    def handler(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
         params = dict(eqn.params)
         in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
-        new, extra, out_free = transform_jaxpr(ctx, params[param], in_dtypes, in_free, scopes)
+        new, extra, out_free = transform_jaxpr(ctx, params[param], in_dtypes, in_free, scopes, out_float32=out32)
         params[param] = new
         outs = _compat.bind(eqn.primitive, [*extra, *invals], params)
         return outs, out_free
@@ -156,10 +94,162 @@ def _call_like(param: str) -> Handler:
     return handler
 
 
+def _body_pulls(param: str):
+    """The pull rule of a primitive whose body's invars are its operands, one to one."""
+
+    def pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
+        return _plan.input_pulls(ctx, eqn.params[param], scopes, out32)
+
+    return pulls
+
+
+for _prim, _param in ((_compat.jit_p, "jaxpr"), (_compat.closed_call_p, "call_jaxpr"), (_compat.remat_p, "jaxpr")):
+    register_higher_order(_prim, pulls=_body_pulls(_param))(_call_like(_param))
+
+
+# --- custom derivatives: body and rules in the arriving dtypes ------------------------------
+
+
+def _specialised(ctx: Context, eqn: Any, jaxpr_like: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
+    """A custom-derivative body specialised to the arriving dtypes, as a function, with
+    its output avals.
+
+    The call behaves like one elementwise operation: when its float operands arrive in
+    half precision, its float outputs that are not consumed only in float32 leave in that
+    half dtype too (the body may compute them in float32 inside), so that the activation
+    and the residuals kept for its backward pass are half precision."""
+    traced_in = original_dtypes(eqn)
+    in_dtypes = _current_dtypes(invals, traced_in)
+    floats = [(d, f) for d, f, o in zip(in_dtypes, in_free, traced_in) if _dtypes.is_castable(o)]
+    deciders = [d for d, f in floats if not f] or [d for d, _ in floats]
+    half = _dtypes.widest(deciders) if deciders else None
+    if half == _dtypes.FLOAT32:
+        half = None
+    _, traced_out = _boundary_dtypes(jaxpr_like)
+    out_dtypes = [half if half is not None and _dtypes.is_castable(d) and not w else None for d, w in zip(traced_out, out32)]
+    new, extra, out_free = transform_jaxpr(ctx, jaxpr_like, in_dtypes, in_free, scopes, out_dtypes=out_dtypes, out_float32=out32)
+    open_, consts = _compat.open_and_consts(new)
+    fun = _compat.jaxpr_as_fun(_compat.close_jaxpr(open_, consts))
+    return (lambda *args: list(fun(*extra, *args))), [v.aval for v in open_.outvars], out_free, in_dtypes
+
+
+def _zero_tangent(aval: Any) -> Any:
+    if _dtypes.is_floating(aval.dtype):
+        return jnp.zeros(aval.shape, aval.dtype)
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+@register_higher_order(_compat.custom_jvp_call_p)
+def _custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
+    """``custom_jvp_call`` rebuilt with ``jax.custom_jvp``: the body specialised to the
+    arriving dtypes, and a JVP rule that evaluates the user's rule (the jaxpr JAX traced
+    for it) with the same policy on the arriving primals and tangents. Its outputs are cast
+    to the body's output dtypes, which ``custom_jvp`` requires."""
+    params = eqn.params
+    rule_thunk = params.get("jvp_jaxpr_fun")
+    if not hasattr(rule_thunk, "call_wrapped"):
+        return _generic(ctx, eqn, invals, in_free, scopes)
+    n = params["num_consts"]
+    body, out_avals, out_free, _ = _specialised(ctx, eqn, params["call_jaxpr"], invals, in_free, scopes, out32)
+
+    def rule(primals, tangents):
+        tangents = list(tangents[n:])  # like JAX: constants of the body carry no tangent
+        zeros = [_compat.is_zero(t) for t in tangents]
+        jaxpr, consts, out_zeros = _compat.call_jvp_rule_thunk(rule_thunk, zeros)
+        args = [*primals[n:], *(t for t, z in zip(tangents, zeros) if not z)]
+        rule_out32 = [*out32, *[False] * (len(jaxpr.outvars) - len(out32))]
+
+        def run(*args):
+            return eval_jaxpr(ctx, jaxpr, consts, args, [False] * len(args), scopes, rule_out32)[0]
+
+        if ctx.remat and any(_plan.plan(ctx, jaxpr, scopes, rule_out32)[1]):
+            # the rule computes in float32 (softplus: exp(x - softplus(x))): recompute it in
+            # the backward pass from the half-precision primals instead of saving its
+            # float32 intermediates, as for any other float32 island
+            run = _compat.checkpoint(run)
+        outs = run(*args)
+        k = len(out_avals)
+        primals_out = [_cast_castable(x, a.dtype) for x, a in zip(outs[:k], out_avals)]
+        nonzero = iter(outs[k:])
+        tangents_out = [_zero_tangent(a) if z else _cast_castable(next(nonzero), a.dtype) for a, z in zip(out_avals, out_zeros)]
+        return primals_out, tangents_out
+
+    call = jax.custom_jvp(body)
+    call.defjvp(rule, symbolic_zeros=bool(params.get("symbolic_zeros", False)))
+    return list(call(*invals)), out_free
+
+
+@register_higher_order(_compat.custom_vjp_call_p)
+def _custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
+    """``custom_vjp_call`` rebuilt with ``jax.custom_vjp``: the body and the forward rule
+    (the jaxpr JAX traced for the user's ``fwd``) run with the same policy in the arriving
+    dtypes, so residuals may be half precision. The user's ``bwd`` is called with the
+    residuals and cotangents as they arrive; if it raises, it is called again with them
+    cast to the traced dtypes. Its cotangents are cast to the dtypes the operands arrived
+    in, so a rule's own arithmetic (a clip, a straight-through estimator, a scale) applies
+    exactly as written."""
+    params = eqn.params
+    fwd_thunk, bwd, out_trees = params.get("fwd_jaxpr_thunk"), params.get("bwd"), params.get("out_trees")
+    if not (hasattr(fwd_thunk, "call_wrapped") and hasattr(bwd, "call_wrapped") and callable(out_trees)):
+        return _generic(ctx, eqn, invals, in_free, scopes)
+    n = params["num_consts"]
+    symbolic = bool(params.get("symbolic_zeros", False))
+    traced_in = original_dtypes(eqn)
+    traced_out = [v.aval.dtype for v in eqn.outvars]
+    body, out_avals, out_free, in_dtypes = _specialised(ctx, eqn, params["call_jaxpr"], invals, in_free, scopes, out32)
+    traced_res: list[Any] = []
+
+    def fwd(*args):
+        vals = [a.value for a in args]
+        perturbed = [bool(a.perturbed) for a in args]
+        if any(perturbed[:n]):
+            raise _compat.CustomVJPException()  # JAX's own error: a closed-over value is differentiated
+        jaxpr, consts = fwd_thunk.call_wrapped(*perturbed[n:])
+        _, res_tree, input_fwds = out_trees()
+        n_res = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+        out32_fwd = [*[False] * n_res, *out32]
+        outs, _ = eval_jaxpr(ctx, jaxpr, consts, vals[n:], [False] * len(vals[n:]), scopes, out32_fwd)
+        res_iter, res_dt = iter(outs[:n_res]), iter(v.aval.dtype for v in jaxpr.outvars[:n_res])
+        res, dts = [], []
+        for f in input_fwds:
+            res.append(next(res_iter) if f is None else vals[f])
+            dts.append(next(res_dt) if f is None else traced_in[f])
+        traced_res[:] = dts
+        return [_cast_castable(x, a.dtype) for x, a in zip(outs[n_res:], out_avals)], res
+
+    def call_bwd(res, cts, res_dtypes, ct_dtypes):
+        res = [_cast_castable(r, d) for r, d in zip(res, res_dtypes)]
+        cts = [c if _compat.is_zero(c) else _cast_castable(c, d) for c, d in zip(cts, ct_dtypes)]
+        return _compat.call_custom_bwd(bwd, res, cts)
+
+    def bwd_rule(res, cts):
+        cts = list(cts)
+        if not symbolic:  # the user's rule expects dense cotangents
+            cts = [_zero_tangent(a) if _compat.is_zero(c) else c for c, a in zip(cts, out_avals)]
+        try:
+            cts_in = call_bwd(res, cts, [_dtypes.dtype_of(r) for r in res], [a.dtype for a in out_avals])
+        except Exception:  # noqa: BLE001 - a rule that cannot take half precision: adapt its boundary
+            cts_in = call_bwd(res, cts, traced_res, traced_out)
+        out = [None if _compat.is_zero(c) or c is None else _cast_castable(c, d) for c, d in zip(cts_in, in_dtypes[n:])]
+        return (*[None] * n, *out)
+
+    call = jax.custom_vjp(body)
+    call.defvjp(fwd, bwd_rule, symbolic_zeros=True)
+    return list(call(*invals)), out_free
 # --- loops: carries keep the dtype of their initial value ---------------------------------
 
 
-def _scan(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple):
+def _scan_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
+    """Constants and scanned-over inputs the body consumes only in float32 (carries keep
+    the dtype their initial value arrives in, so they are never pulled)."""
+    n_consts, n_carry = _compat.scan_counts(eqn.params)
+    flags = _plan.input_pulls(ctx, eqn.params["jaxpr"], scopes, [*[False] * n_carry, *out32[n_carry:]])
+    flags[n_consts : n_consts + n_carry] = [False] * n_carry
+    return flags
+
+
+@register_higher_order(_compat.scan_p, pulls=_scan_pulls)
+def _scan(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     params = dict(eqn.params)
     n_consts, n_carry = _compat.scan_counts(params)
     body = params["jaxpr"]
@@ -168,13 +258,15 @@ def _scan(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple):
     free[n_consts : n_consts + n_carry] = [False] * n_carry
     _, body_outs = _boundary_dtypes(body)
     out_dtypes = [*in_dtypes[n_consts : n_consts + n_carry], *([None] * (len(body_outs) - n_carry))]
-    new, _, body_free = transform_jaxpr(ctx, body, in_dtypes, free, scopes, out_dtypes=out_dtypes)
+    body_out32 = [*(d == _dtypes.FLOAT32 for d in out_dtypes[:n_carry]), *out32[n_carry:]]
+    new, _, body_free = transform_jaxpr(ctx, body, in_dtypes, free, scopes, out_dtypes=out_dtypes, out_float32=body_out32)
     out_free = [False] * n_carry + body_free[n_carry:]
     params["jaxpr"] = new
     return _compat.bind(eqn.primitive, invals, params), out_free
 
 
-def _while(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple):
+@register_higher_order(_compat.while_p)
+def _while(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     params = dict(eqn.params)
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
     in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
@@ -188,7 +280,8 @@ def _while(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple):
     return outs, [False] * len(outs)
 
 
-def _cond(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple):
+@register_higher_order(_compat.cond_p)
+def _cond(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     params = dict(eqn.params)
     branches = params["branches"]
     in_dtypes = _current_dtypes(invals[1:], original_dtypes(eqn)[1:])
@@ -214,7 +307,8 @@ def _cond(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple):
 # --- shard_map: re-staged through the public API so collectives see their axes -------------
 
 
-def _shard_map(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple):
+@register_higher_order(_compat.shard_map_p)
+def _shard_map(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     params = eqn.params
     body = params["jaxpr"]
     open_, consts = _compat.open_and_consts(body)
@@ -235,23 +329,3 @@ def _shard_map(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tupl
         kwargs["axis_names"] = set(params["newly_manual_axes"])
     outs = jax.shard_map(fun, **kwargs)(*invals)
     return list(outs), [False] * len(outs)
-
-
-_HANDLERS: dict[Any, Handler] = {}
-for _prim, _param in ((_compat.jit_p, "jaxpr"), (_compat.closed_call_p, "call_jaxpr"), (_compat.remat_p, "jaxpr")):
-    if _prim is not None:
-        _HANDLERS[_prim] = _call_like(_param)
-for _prim, _param in ((_compat.custom_jvp_call_p, "jvp_jaxpr_fun"), (_compat.custom_vjp_call_p, "fwd_jaxpr_thunk")):
-    if _prim is not None:
-        _HANDLERS[_prim] = _custom_derivative(_param)
-for _prim, _handler in ((_compat.scan_p, _scan), (_compat.while_p, _while), (_compat.cond_p, _cond), (_compat.shard_map_p, _shard_map)):
-    if _prim is not None:
-        _HANDLERS[_prim] = _handler
-
-
-def handler_for(eqn: Any) -> Handler | None:
-    """The handler for a higher-order equation, or None for a first-order one."""
-    handler = _HANDLERS.get(eqn.primitive)
-    if handler is not None:
-        return handler
-    return _generic if _jaxpr_params(eqn.params) else None

@@ -6,8 +6,9 @@ then the primitive, then registered rules, then ``"amp_default"``), lets the rul
 operands, checks what the rule returned, and binds the primitive in the equation's own
 context (source location, name stack, abstract mesh). Primitives that hold jaxprs (``jit``,
 ``scan``, ``while``, ``cond``, ``checkpoint``, ``custom_jvp_call``, ``custom_vjp_call``,
-``shard_map``, ...) are not ruled on: their bodies are transformed with the same policy
-(see :mod:`autocast._higher_order`).
+``shard_map``, ...) are not ruled on: the planner finds their handler in the table of
+:mod:`autocast._registry` (filled by :mod:`autocast._higher_order`), and the handler
+transforms their bodies with the same policy.
 
 Values are cast where a consumer needs it, never after a producer: a matmul result stays
 in half precision until an operation whose rule wants float32.
@@ -18,13 +19,18 @@ Sharp edges:
   reshaped, broadcast, sliced or converted from free values. Free operands adapt to
   computed ones when an operation harmonises dtypes (``use_input_precision``): this keeps a
   float32 bias from dragging a half-precision activation to float32.
-- Custom derivative rules (``custom_jvp`` / ``custom_vjp``) are kept as they are and run
-  in the dtypes they were written for; the primal body is transformed, with its inputs and
-  outputs kept in the traced dtypes so the rules still apply.
+- Custom derivatives (``custom_jvp`` / ``custom_vjp``): the body and the rules run in the
+  dtypes their operands arrive in, under the same policy; the user's ``bwd`` is called
+  with the residuals and cotangents as they arrive (adapted at its boundary if it cannot
+  take them). See :mod:`autocast._higher_order`.
 - Loop carries keep the dtype the initial value arrives in; branch outputs that differ
   between ``cond`` branches are cast back to their traced dtype.
 - An elementwise operation whose results are only consumed in float32 runs in float32
-  (``_plan.py``), so ``x - max(x)`` before an ``exp`` is not rounded to half first.
+  (``_plan.py``), so ``x - max(x)`` before an ``exp`` is not rounded to half first. This
+  sees through nested bodies: outputs of ``jit``/``checkpoint``/``scan``/custom-derivative
+  bodies consumed only in float32 are computed in float32, and operands that ``jit``,
+  ``checkpoint`` and ``scan`` bodies read only in float32 are cast once, outside (see
+  :func:`autocast._plan.input_pulls`).
 - With ``remat_float32`` each contiguous run of float32 equations is evaluated inside its
   own ``jax.checkpoint`` (an island), so their float32 results are recomputed in the
   backward pass rather than saved. Islands are local: an enclosing user checkpoint keeps
@@ -154,7 +160,11 @@ def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, sc
             outs = _bind_original(eqn, invals)
             out_free = [False] * len(outs)
         elif kind == _plan.HIGHER:
-            outs, out_free = rule(ctx, eqn, invals, in_free, eqn_scopes)
+            handler, out32, pulls = rule
+            # operands the bodies consume only in float32: cast once, here, so every
+            # float32 consumer of the value (inside and outside) reads the same value
+            invals = [_dtypes.cast(x, _dtypes.FLOAT32) if p and _dtypes.is_castable(v.aval.dtype) else x for x, p, v in zip(invals, pulls, eqn.invars)]
+            outs, out_free = handler(ctx, eqn, invals, in_free, eqn_scopes, out32)
         else:
             outs, out_free, bound = _apply_rule(ctx, eqn, rule, invals, in_free)
     if ctx.observer is not None:
@@ -196,6 +206,57 @@ def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, 
     outs = _compat.checkpoint(island)(*[x for x, _ in in_vals])
     for v, x, f in zip(outputs, outs, out_free):
         env[v] = (x, f)
+
+
+def transform_jaxpr(
+    ctx: Context,
+    jaxpr_like: Any,
+    in_dtypes: Sequence[Any],
+    in_free: Sequence[bool],
+    scopes: tuple[str, ...],
+    out_dtypes: Sequence[Any | None] | None = None,
+    out_float32: Sequence[bool] | None = None,
+) -> tuple[Any, list[Any], list[bool]]:
+    """Transform a (closed or open) jaxpr for operands of ``in_dtypes``.
+
+    Outputs are cast to ``out_dtypes`` where given (``None`` entries: any dtype);
+    ``out_float32[i]`` says output ``i`` is consumed only in float32 (default: the outputs
+    cast to float32). Returns ``(new, extra_consts, out_free)``: a closed jaxpr comes back
+    closed with ``extra_consts == []``; an open one comes back open, with any constants it
+    needs turned into leading invars and returned as ``extra_consts`` (to be passed as
+    leading operands). ``out_free`` tells which outputs are free values.
+    """
+    if out_float32 is None and out_dtypes is not None:
+        out_float32 = [d is not None and d == _dtypes.FLOAT32 for d in out_dtypes]
+    key = (
+        tuple(map(str, in_dtypes)),
+        tuple(in_free),
+        scopes,
+        None if out_dtypes is None else tuple(map(str, out_dtypes)),
+        None if out_float32 is None else tuple(map(bool, out_float32)),
+    )
+
+    def build():
+        open_, consts = _compat.open_and_consts(jaxpr_like)
+        in_avals = [_compat.aval_with_dtype(v.aval, d) for v, d in zip(open_.invars, in_dtypes)]
+        out_free: list[bool] = []
+
+        def fun(*args):
+            outs, free = eval_jaxpr(ctx, open_, consts, args, in_free, scopes, out_float32)
+            if out_dtypes is not None:
+                outs = [x if d is None else _dtypes.cast(x, d) for x, d in zip(outs, out_dtypes)]
+            out_free[:] = free
+            return outs
+
+        new_open, new_consts = _compat.trace_to_jaxpr(fun, in_avals)
+        if _compat.is_closed(jaxpr_like):
+            return (_compat.close_jaxpr(new_open, new_consts), []), list(out_free)
+        if new_consts:
+            return (_compat.constvars_to_invars(new_open), list(new_consts)), list(out_free)
+        return (new_open, []), list(out_free)
+
+    (new, extra), out_free = ctx.cached(key, jaxpr_like, build)
+    return new, extra, list(out_free)
 
 
 def original_dtypes(eqn: Any) -> list[Any]:
@@ -274,8 +335,6 @@ def _retype_combiner(ctx: Context, params: dict[str, Any], operand: Any) -> dict
     dtype = _dtypes.dtype_of(operand)
     if jaxpr is None or not _compat.is_jaxpr_like(jaxpr) or not jaxpr.invars or jaxpr.invars[0].aval.dtype == dtype:
         return params
-    from ._higher_order import transform_jaxpr
-
     open_, _ = _compat.open_and_consts(jaxpr)
     in_dtypes = [dtype if _dtypes.is_castable(v.aval.dtype) else v.aval.dtype for v in open_.invars]
     new, consts, _ = transform_jaxpr(ctx, jaxpr, in_dtypes, [False] * len(in_dtypes), (), out_dtypes=[dtype] * len(open_.outvars))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import _compat, _dtypes, _rules
+from . import _compat, _dtypes, _registry, _rules
 from ._policy import AMP_STOP
 
 # Primitives whose JVP needs none of their operands (linear in every float operand):
@@ -34,9 +34,17 @@ def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bo
     float32-rule operation, by an operation mixing them with a float32 result, or as a
     float32 output) are switched to float32: ``x - max(x)`` in a softmax is then computed
     from the half-precision logits in float32 instead of being rounded to half first.
-    """
-    from . import _higher_order  # circular: higher-order handlers call back into eval_jaxpr
 
+    A higher-order equation (``jit``, ``scan``, ``custom_jvp_call``, ...) gets the step
+    ``(HIGHER, (handler, out_float32, pulls))``: which of its outputs are consumed only in
+    float32 (its bodies then compute them in float32 too), and which operands its bodies
+    consume only in float32 (from the primitive's pull rule; the interpreter casts those
+    once, outside, and the outer plan counts the equation as a float32 consumer of them).
+    """
+    return _plan(ctx, jaxpr, scopes, out_float32)[:2]
+
+
+def _plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]):
     steps: list[tuple[str, Any]] = []
     f32_made: set = set()  # vars computed in float32 by a float32 rule (or derived from one)
     for eqn in jaxpr.eqns:
@@ -44,7 +52,7 @@ def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bo
         if AMP_STOP in eqn_scopes:
             steps.append((STOP, None))
             continue
-        handler = None if ctx.lookup.explicit(eqn.primitive) else _higher_order.handler_for(eqn)
+        handler = None if ctx.lookup.explicit(eqn.primitive) else _registry.handler_for(eqn)
         if handler is not None:
             steps.append((HIGHER, handler))
             continue
@@ -64,6 +72,16 @@ def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bo
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
         eqn, (kind, rule) = jaxpr.eqns[i], steps[i]
         pulls = False
+        if kind == HIGHER:
+            out32 = [isinstance(v, _compat.DropVar) or wants32.get(v, False) for v in eqn.outvars]
+            pull_rule = _registry.PULL_RULES.get(eqn.primitive)
+            eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
+            flags = list(pull_rule(ctx, eqn, eqn_scopes, out32)) if pull_rule is not None else [False] * len(eqn.invars)
+            steps[i] = (HIGHER, (rule, out32, flags))
+            for v, flag in zip(eqn.invars, flags):
+                if not isinstance(v, _compat.Literal) and _dtypes.is_castable(v.aval.dtype):
+                    wants32[v] = wants32.get(v, True) and bool(flag)
+            continue
         if kind == RULE and rule is _rules.use_float32_precision:
             pulls = True
         elif kind == RULE and rule is _rules.use_input_precision:
@@ -96,7 +114,46 @@ def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bo
             ):
                 island[i] = True
                 f32.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
-    return steps, island
+    return steps, island, wants32
+
+
+# Equations whose backward pass does not need their float operands (linear in them, with
+# integer indices at most): handing them a float32 value stores nothing more.
+_NO_RESIDUAL = LINEAR | {"gather", "dynamic_update_slice", "squeeze", "expand_dims"}
+
+
+def input_pulls(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> list[bool]:
+    """Which inputs of a (closed or open) sub-jaxpr are consumed only in float32, given
+    which of its outputs are; memoised per jaxpr.
+
+    With ``ctx.remat`` an input counts only if every equation reading it needs nothing of
+    it in the backward pass (``gather``, slices, additions, ...): a float32 value handed to
+    a float32 island would be stored for the backward pass instead of the half-precision
+    one, so such inputs stay half and are cast inside the body's island.
+    """
+
+    def build():
+        open_, _ = _compat.open_and_consts(jaxpr_like)
+        steps, _, wants32 = _plan(ctx, open_, scopes, out_float32)
+        readers: dict[Any, list[bool]] = {}
+        for eqn, (kind, rule) in zip(open_.eqns, steps):
+            for pos, v in enumerate(eqn.invars):
+                if isinstance(v, _compat.Literal):
+                    continue
+                if kind == HIGHER:
+                    ok = rule[2][pos]
+                else:
+                    ok = eqn.primitive.name in _NO_RESIDUAL or is_linear(eqn)
+                readers.setdefault(v, []).append(bool(ok))
+        out_set = {v for v in open_.outvars if not isinstance(v, _compat.Literal)}
+        flags = []
+        for v in open_.invars:
+            reads = readers.get(v, [])
+            wanted = _dtypes.is_castable(v.aval.dtype) and bool(reads) and v not in out_set and wants32.get(v, False)
+            flags.append(bool(wanted and (not ctx.remat or all(reads))))
+        return flags
+
+    return list(ctx.cached(("pulls", scopes, tuple(bool(f) for f in out_float32)), jaxpr_like, build))
 
 
 def is_linear(eqn: Any) -> bool:

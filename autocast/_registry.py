@@ -1,0 +1,79 @@
+"""The table of higher-order rules: how the interpreter treats primitives that hold jaxprs.
+
+Like JAX's own rule tables (``ad.primitive_jvps``, ``batching.primitive_batchers``), this
+module only holds the tables; :mod:`autocast._higher_order` fills them at import with
+``register_higher_order(prim)(handler)`` lines, and :mod:`autocast._plan` reads them. So
+the interpreter, the planner and the handlers do not import each other in a circle.
+
+A *handler* evaluates one equation::
+
+    handler(ctx, eqn, invals, in_free, scopes, out_float32) -> (outs, out_free)
+
+``invals`` are the operands as they arrive (some in half precision), ``in_free`` their
+free flags, ``out_float32[i]`` says that every consumer of output ``i`` reads it in float32.
+
+A *pull rule* tells the planner which operands the equation's bodies consume only in
+float32 (and can be handed a float32 value without storing more for the backward pass)::
+
+    pulls(ctx, eqn, scopes, out_float32) -> list[bool]   # one flag per operand
+
+The planner treats passing a value into such an operand as a float32 consumer, and the
+interpreter casts that value once, outside, so every float32 consumer reads the same
+float32 value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import _compat
+
+Handler = Callable[..., tuple[list, list]]
+PullRule = Callable[..., list]
+
+HIGHER_ORDER_RULES: dict[Any, Handler] = {}
+"""Primitive -> handler."""
+
+PULL_RULES: dict[Any, PullRule] = {}
+"""Primitive -> pull rule (primitives without one pull nothing across their boundary)."""
+
+_fallback: list[Handler] = []
+
+
+def register_higher_order(prim: Any, *, pulls: PullRule | None = None) -> Callable[[Handler], Handler]:
+    """Register ``handler`` for ``prim`` (a no-op when this JAX has no such primitive)."""
+
+    def register(handler: Handler) -> Handler:
+        if prim is not None:
+            HIGHER_ORDER_RULES[prim] = handler
+            if pulls is not None:
+                PULL_RULES[prim] = pulls
+        return handler
+
+    return register
+
+
+def register_fallback(handler: Handler) -> Handler:
+    """The handler for primitives with jaxpr parameters that have no handler of their own."""
+    _fallback[:] = [handler]
+    return handler
+
+
+def jaxpr_params(params: dict[str, Any]) -> list[str]:
+    """The names of the parameters that hold a jaxpr (or a tuple of jaxprs)."""
+    keys = []
+    for key, val in params.items():
+        if _compat.is_jaxpr_like(val) or (type(val) is tuple and val and all(_compat.is_jaxpr_like(v) for v in val)):
+            keys.append(key)
+    return keys
+
+
+def handler_for(eqn: Any) -> Handler | None:
+    """The handler for a higher-order equation, or None for a first-order one."""
+    handler = HIGHER_ORDER_RULES.get(eqn.primitive)
+    if handler is not None:
+        return handler
+    if _fallback and jaxpr_params(eqn.params):
+        return _fallback[0]
+    return None
