@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from jax import lax
 
 from . import _compat, _dtypes, _plan, _rules
 from ._policy import Lookup
@@ -52,6 +53,13 @@ _STRUCTURAL = frozenset(
     }
 )
 _SCATTERS = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"})
+# Elementwise primitives that broadcast size-1 (and rank-0) operands implicitly. Autodiff
+# transposes that broadcast into a ``reduce_sum`` in the dtype of the operand as bound.
+_IMPLICIT_BROADCAST = frozenset(
+    {"add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter", "clamp", "select_n", "add_any"}
+)
+# ... of which these are linear in every float operand: autodiff saves none of them.
+_LINEAR_BROADCAST = frozenset({"add", "sub", "select_n", "add_any"})
 
 
 class Context:
@@ -211,10 +219,51 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
     new_invals, params = _check_rule_result(result, prim, rule, invals, orig)
     if prim.name in _SCATTERS:
         params = _retype_combiner(ctx, params, new_invals[0])
-    outs = _compat.bind(prim, new_invals, params)
+    outs = _bind_broadcast_in_float32(eqn, prim, invals, new_invals, params)
     structural = prim.name in _STRUCTURAL
     floats_free = all(f for f, d in zip(in_free, orig) if _dtypes.is_castable(d))
     return outs, [structural and floats_free] * len(outs)
+
+
+def _bind_broadcast_in_float32(eqn: Any, prim: Any, invals: list[Any], new_invals: list[Any], params: dict[str, Any]) -> list[Any]:
+    """Bind, broadcasting in float32 the operands that the rule narrowed from float32 and
+    that the primitive broadcasts (a bias ``(1, C)`` added to ``(N, C)`` activations).
+
+    Casting first and broadcasting in half precision would make the gradient of such an
+    operand (JAX's transpose of the broadcast: a sum over the broadcast axes, thousands of
+    terms for a bias) a half-precision reduction. Broadcast-then-cast is the same forward
+    value, and its transpose is ``convert`` to float32 followed by ``reduce_sum`` in
+    float32, which XLA fuses (no float32 activation-sized buffer). For a primitive that is
+    not linear in the operand (``x * scale``) the broadcast is recomputed in the backward
+    pass (``jax.checkpoint``) rather than saved as an activation-sized residual.
+    """
+    if prim.name not in _IMPLICIT_BROADCAST or len(eqn.outvars) != 1:
+        return _compat.bind(prim, new_invals, params)
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    widen = [
+        i
+        for i, (old, new) in enumerate(zip(invals, new_invals))
+        if _compat.is_tracer(old)
+        and _dtypes.dtype_of(old) == _dtypes.FLOAT32
+        and _dtypes.dtype_of(new) in _dtypes.CASTABLE
+        and _dtypes.dtype_of(new) != _dtypes.FLOAT32
+        and tuple(np.shape(old)) != out_shape
+        and len(np.shape(old)) in (0, len(out_shape))
+    ]
+    if not widen:
+        return _compat.bind(prim, new_invals, params)
+
+    def bind(*ops):
+        ops = list(ops)
+        for i in widen:
+            dims = tuple(range(len(out_shape))) if np.ndim(ops[i]) else ()
+            ops[i] = lax.convert_element_type(lax.broadcast_in_dim(ops[i], out_shape, dims), _dtypes.dtype_of(new_invals[i]))
+        return _compat.bind(prim, ops, params)
+
+    ops = [invals[i] if i in widen else x for i, x in enumerate(new_invals)]
+    if prim.name in _LINEAR_BROADCAST:
+        return bind(*ops)
+    return _compat.checkpoint(bind)(*ops)
 
 
 def _check_rule_result(result: Any, prim: Any, rule: Any, invals: Sequence[Any], orig: Sequence[Any]):
