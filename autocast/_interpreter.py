@@ -27,7 +27,11 @@ Sharp edges:
   (``_plan.py``), so ``x - max(x)`` before an ``exp`` is not rounded to half first.
 - With ``remat_float32`` each contiguous run of float32 equations is evaluated inside its
   own ``jax.checkpoint`` (an island), so their float32 results are recomputed in the
-  backward pass rather than saved. Islands are local: an enclosing user checkpoint keeps
+  backward pass rather than saved; with ``"auto"`` only where that at least halves what the
+  island keeps (``_worth_recomputing``).
+- An operand narrowed from float32 that an elementwise operation broadcasts (a bias) is
+  broadcast in float32 first, so its gradient (the transpose of the broadcast) is summed in
+  float32 (``_bind_broadcast_in_float32``). Islands are local: an enclosing user checkpoint keeps
   its policy (an outer checkpoint policy would override nested ones).
 """
 
@@ -65,9 +69,12 @@ _LINEAR_BROADCAST = frozenset({"add", "sub", "select_n", "add_any"})
 class Context:
     """What stays fixed while one function is transformed: dtype, policy, caches."""
 
-    def __init__(self, compute_dtype: np.dtype, policy: Any, remat: bool = True):
+    def __init__(self, compute_dtype: np.dtype, policy: Any, remat: bool | str = "auto"):
         self.compute_dtype = compute_dtype
-        self.remat = bool(remat) and compute_dtype != _dtypes.FLOAT32
+        # ``remat``: find float32 islands at all; ``remat_auto``: recompute only those
+        # that the cost model says pay off (see ``_worth_recomputing``).
+        self.remat = remat is not False and compute_dtype != _dtypes.FLOAT32
+        self.remat_auto = remat == "auto"
         self.lookup = Lookup(policy)
         self._jaxpr_cache: dict[Any, Any] = {}
         self._keep_alive: list[Any] = []
@@ -134,7 +141,9 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], env: di
         j = i
         while j < len(eqns) and island[j]:
             j += 1
-        if all(_plan.is_linear(e) for e in eqns[i:j]):
+        if all(_plan.is_linear(e) for e in eqns[i:j]) or (
+            ctx.remat_auto and not _worth_recomputing(eqns[i:j], read)
+        ):
             for k in range(i, j):
                 _eval_eqn(ctx, eqns[k], plan[k], env, read, scopes)
         else:
@@ -161,16 +170,48 @@ def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, sc
             env[var] = (val, f)
 
 
-def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, read, scopes, last_use: dict, end: int) -> None:
-    """Evaluate a run of float32 equations inside ``jax.checkpoint`` (save nothing): the
-    backward pass recomputes them from the island's inputs (half-precision activations,
-    parameters) instead of keeping their float32 results."""
+def _island_inputs(eqns: Sequence[Any]) -> list[Any]:
     defined = {v for eqn in eqns for v in eqn.outvars}
     inputs: list[Any] = []
     for eqn in eqns:
         for v in eqn.invars:
             if not isinstance(v, _compat.Literal) and v not in defined and v not in inputs:
                 inputs.append(v)
+    return inputs
+
+
+def _nbytes(x: Any) -> int:
+    return int(np.size(x)) * _dtypes.dtype_of(x).itemsize
+
+
+def _worth_recomputing(eqns: Sequence[Any], read) -> bool:
+    """The island cost model of ``remat_float32="auto"``: recompute an island only if that
+    at least halves the memory it keeps for the backward pass.
+
+    Recomputed, the island keeps its inputs (in the dtypes they arrive in). Not
+    recomputed, the backward pass keeps its float32 intermediates, estimated as the float32
+    results of its non-linear operations (each is, or is the size of, a value their
+    derivative needs). An island fed by half-precision activations always qualifies (each
+    float32 value is twice its half-precision source); one whose inputs are float32
+    activations of its own size (an LSTM cell updating a float32 carry) does not: there the
+    recomputation would cost a second evaluation for a small saving.
+    """
+    kept_if_recomputed = sum(_nbytes(read(v)[0]) for v in _island_inputs(eqns))
+    kept_if_saved = sum(
+        v.aval.size * _dtypes.FLOAT32.itemsize
+        for eqn in eqns
+        if not _plan.is_linear(eqn)
+        for v in eqn.outvars
+        if _dtypes.is_castable(v.aval.dtype) and not isinstance(v, _compat.DropVar)
+    )
+    return kept_if_saved >= 2 * kept_if_recomputed
+
+
+def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, read, scopes, last_use: dict, end: int) -> None:
+    """Evaluate a run of float32 equations inside ``jax.checkpoint`` (save nothing): the
+    backward pass recomputes them from the island's inputs (half-precision activations,
+    parameters) instead of keeping their float32 results."""
+    inputs = _island_inputs(eqns)
     outputs = [v for eqn in eqns for v in eqn.outvars if not isinstance(v, _compat.DropVar) and last_use.get(v, -1) >= end]
     if not outputs:
         return
