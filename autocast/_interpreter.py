@@ -138,9 +138,7 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], env: di
             _eval_eqn(ctx, eqns[i], plan[i], env, read, scopes)
             i += 1
             continue
-        j = i
-        while j < len(eqns) and island[j]:
-            j += 1
+        j = _island_end(eqns, plan, island, i)
         if all(_plan.is_linear(e) for e in eqns[i:j]) or (
             ctx.remat_auto and not _worth_recomputing(eqns[i:j], read)
         ):
@@ -149,6 +147,27 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], env: di
         else:
             _eval_island(ctx, eqns[i:j], plan[i:j], env, read, scopes, last_use, j)
         i = j
+
+
+def _island_end(eqns: Sequence[Any], plan: list, island: list[bool], i: int) -> int:
+    """End of the island starting at ``i``: the run of float32 equations, continued over
+    equations without float results (integer index arithmetic between a norm's statistics
+    and its normalisation) when more float32 equations follow, so that one island does not
+    hand a float32 activation to the next."""
+    j = i
+    while True:
+        while j < len(eqns) and island[j]:
+            j += 1
+        k = j
+        while k < len(eqns) and not island[k] and _bridges(eqns[k], plan[k]):
+            k += 1
+        if k == j or k == len(eqns) or not island[k]:
+            return j
+        j = k
+
+
+def _bridges(eqn: Any, step: tuple[str, Any]) -> bool:
+    return step[0] == _plan.RULE and not eqn.effects and not any(_dtypes.is_castable(v.aval.dtype) for v in eqn.outvars)
 
 
 def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, scopes: tuple[str, ...]) -> None:
