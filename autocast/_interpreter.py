@@ -37,6 +37,8 @@ Sharp edges:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -273,7 +275,10 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
     orig = original_dtypes(eqn)
     token = _rules._free_mask.set(in_free)
     try:
-        result = rule(ctx.compute_dtype, orig, *invals, **dict(eqn.params))
+        with contextlib.ExitStack() as stack:
+            for i, dtype in _float32_broadcasts_ahead(eqn, prim, invals):
+                stack.enter_context(_dtypes.cast_override(invals[i], dtype, functools.partial(_broadcast_cast, invals[i], eqn, dtype)))
+            result = rule(ctx.compute_dtype, orig, *invals, **dict(eqn.params))
     finally:
         _rules._free_mask.reset(token)
     new_invals, params = _check_rule_result(result, prim, rule, invals, orig)
@@ -283,6 +288,42 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
     structural = prim.name in _STRUCTURAL
     floats_free = all(f for f, d in zip(in_free, orig) if _dtypes.is_castable(d))
     return outs, [structural and floats_free] * len(outs)
+
+
+def _broadcast_candidates(eqn: Any, prim: Any, invals: Sequence[Any]) -> list[int]:
+    """Float32 operands (traced: they may get a gradient) that ``eqn`` broadcasts."""
+    if prim.name not in _IMPLICIT_BROADCAST or len(eqn.outvars) != 1:
+        return []
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    return [
+        i
+        for i, x in enumerate(invals)
+        if _compat.is_tracer(x)
+        and _dtypes.dtype_of(x) == _dtypes.FLOAT32
+        and tuple(np.shape(x)) != out_shape
+        and len(np.shape(x)) in (0, len(out_shape))
+    ]
+
+
+def _broadcast_cast(x: Any, eqn: Any, dtype: Any) -> Any:
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    dims = tuple(range(len(out_shape))) if np.ndim(x) else ()
+    return lax.convert_element_type(lax.broadcast_in_dim(x, out_shape, dims), dtype)
+
+
+def _float32_broadcasts_ahead(eqn: Any, prim: Any, invals: Sequence[Any]) -> list[tuple[int, Any]]:
+    """For an operation linear in its operands (``x16 + bias32``): the broadcast operands
+    whose narrowing is predictable (the other float operands share one half dtype), with
+    that dtype. The rule's cast of them then broadcasts in float32 first (no dead convert
+    left behind); see :func:`_bind_broadcast_in_float32` for the rest."""
+    if prim.name not in _LINEAR_BROADCAST:
+        return []
+    cands = _broadcast_candidates(eqn, prim, invals)
+    others = {_dtypes.dtype_of(x) for i, x in enumerate(invals) if i not in cands and _dtypes.is_castable(_dtypes.dtype_of(x))}
+    if not cands or len(others) != 1 or _dtypes.FLOAT32 in others:
+        return []
+    (half,) = others
+    return [(i, half) for i in cands]
 
 
 def _bind_broadcast_in_float32(eqn: Any, prim: Any, invals: list[Any], new_invals: list[Any], params: dict[str, Any]) -> list[Any]:
@@ -297,18 +338,12 @@ def _bind_broadcast_in_float32(eqn: Any, prim: Any, invals: list[Any], new_inval
     not linear in the operand (``x * scale``) the broadcast is recomputed in the backward
     pass (``jax.checkpoint``) rather than saved as an activation-sized residual.
     """
-    if prim.name not in _IMPLICIT_BROADCAST or len(eqn.outvars) != 1:
-        return _compat.bind(prim, new_invals, params)
-    out_shape = tuple(eqn.outvars[0].aval.shape)
     widen = [
         i
-        for i, (old, new) in enumerate(zip(invals, new_invals))
-        if _compat.is_tracer(old)
-        and _dtypes.dtype_of(old) == _dtypes.FLOAT32
-        and _dtypes.dtype_of(new) in _dtypes.CASTABLE
-        and _dtypes.dtype_of(new) != _dtypes.FLOAT32
-        and tuple(np.shape(old)) != out_shape
-        and len(np.shape(old)) in (0, len(out_shape))
+        for i in _broadcast_candidates(eqn, prim, invals)
+        if _dtypes.dtype_of(new_invals[i]) in _dtypes.CASTABLE
+        and _dtypes.dtype_of(new_invals[i]) != _dtypes.FLOAT32
+        and np.shape(new_invals[i]) == np.shape(invals[i])  # not already broadcast ahead
     ]
     if not widen:
         return _compat.bind(prim, new_invals, params)
@@ -316,8 +351,7 @@ def _bind_broadcast_in_float32(eqn: Any, prim: Any, invals: list[Any], new_inval
     def bind(*ops):
         ops = list(ops)
         for i in widen:
-            dims = tuple(range(len(out_shape))) if np.ndim(ops[i]) else ()
-            ops[i] = lax.convert_element_type(lax.broadcast_in_dim(ops[i], out_shape, dims), _dtypes.dtype_of(new_invals[i]))
+            ops[i] = _broadcast_cast(ops[i], eqn, _dtypes.dtype_of(new_invals[i]))
         return _compat.bind(prim, ops, params)
 
     ops = [invals[i] if i in widen else x for i, x in enumerate(new_invals)]
