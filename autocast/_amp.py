@@ -152,10 +152,9 @@ def amp(
       default :data:`autocast.default_amp_policy`. See :func:`autocast.extend_policy`.
     - ``remat_float32``: whether each run of float32 operations (an "island": a softmax,
       a layer norm, GELU) is recomputed in the backward pass instead of saving its
-      float32 intermediates. ``"auto"`` (default): only where that at least halves the
-      memory the island keeps, i.e. its float32 intermediates are at least twice the bytes
-      of its inputs (islands fed by half-precision activations; not an LSTM cell that
-      updates a float32 carry). ``True``: every island. ``False``: none.
+      float32 intermediates. ``"auto"`` (default): only where its float32 intermediates
+      are at least 1.75 times the bytes of its float inputs (islands fed by half-precision
+      activations; not an LSTM cell that updates a float32 carry). ``True``: every island. ``False``: none.
 
     **Returns:** a function with ``fn``'s signature. Calls with the same argument
     structure, shapes and dtypes reuse the transformed jaxpr.

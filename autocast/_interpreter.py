@@ -27,8 +27,8 @@ Sharp edges:
   (``_plan.py``), so ``x - max(x)`` before an ``exp`` is not rounded to half first.
 - With ``remat_float32`` each contiguous run of float32 equations is evaluated inside its
   own ``jax.checkpoint`` (an island), so their float32 results are recomputed in the
-  backward pass rather than saved; with ``"auto"`` only where that at least halves what the
-  island keeps (``_worth_recomputing``).
+  backward pass rather than saved; with ``"auto"`` only where that cuts what the island
+  keeps by a large factor (``_worth_recomputing``).
 - An operand narrowed from float32 that an elementwise operation broadcasts (a bias) is
   broadcast in float32 first, so its gradient (the transpose of the broadcast) is summed in
   float32 (``_bind_broadcast_in_float32``). Islands are local: an enclosing user checkpoint keeps
@@ -205,9 +205,14 @@ def _nbytes(x: Any) -> int:
     return int(np.size(x)) * _dtypes.dtype_of(x).itemsize
 
 
+# An island fed by half-precision activations keeps at least twice their bytes in float32
+# (ratio 2: a softmax's exp); an LSTM cell updating a float32 carry about 1.6 times.
+_RECOMPUTE_RATIO = 1.75
+
+
 def _worth_recomputing(eqns: Sequence[Any], read) -> bool:
     """The island cost model of ``remat_float32="auto"``: recompute an island only if that
-    at least halves the memory it keeps for the backward pass.
+    cuts the memory it keeps for the backward pass by a large factor (``_RECOMPUTE_RATIO``).
 
     Recomputed, the island keeps its inputs (in the dtypes they arrive in). Not
     recomputed, the backward pass keeps its float32 intermediates, estimated as the float32
@@ -217,7 +222,9 @@ def _worth_recomputing(eqns: Sequence[Any], read) -> bool:
     activations of its own size (an LSTM cell updating a float32 carry) does not: there the
     recomputation would cost a second evaluation for a small saving.
     """
-    kept_if_recomputed = sum(_nbytes(read(v)[0]) for v in _island_inputs(eqns))
+    kept_if_recomputed = sum(
+        _nbytes(read(v)[0]) for v in _island_inputs(eqns) if _dtypes.is_castable(v.aval.dtype)
+    )  # integer and boolean inputs (labels, masks) are small or kept by their users anyway
     kept_if_saved = sum(
         v.aval.size * _dtypes.FLOAT32.itemsize
         for eqn in eqns
@@ -225,7 +232,7 @@ def _worth_recomputing(eqns: Sequence[Any], read) -> bool:
         for v in eqn.outvars
         if _dtypes.is_castable(v.aval.dtype) and not isinstance(v, _compat.DropVar)
     )
-    return kept_if_saved >= 2 * kept_if_recomputed
+    return kept_if_saved >= _RECOMPUTE_RATIO * kept_if_recomputed
 
 
 def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, read, scopes, last_use: dict, end: int) -> None:
@@ -299,7 +306,7 @@ def _broadcast_candidates(eqn: Any, prim: Any, invals: Sequence[Any]) -> list[in
         i
         for i, x in enumerate(invals)
         if _compat.is_tracer(x)
-        and _dtypes.dtype_of(x) == _dtypes.FLOAT32
+        and _dtype_or_none(x) == _dtypes.FLOAT32
         and tuple(np.shape(x)) != out_shape
         and len(np.shape(x)) in (0, len(out_shape))
     ]
@@ -319,7 +326,7 @@ def _float32_broadcasts_ahead(eqn: Any, prim: Any, invals: Sequence[Any]) -> lis
     if prim.name not in _LINEAR_BROADCAST:
         return []
     cands = _broadcast_candidates(eqn, prim, invals)
-    others = {_dtypes.dtype_of(x) for i, x in enumerate(invals) if i not in cands and _dtypes.is_castable(_dtypes.dtype_of(x))}
+    others = {_dtype_or_none(x) for i, x in enumerate(invals) if i not in cands and _dtypes.is_castable(_dtype_or_none(x))}
     if not cands or len(others) != 1 or _dtypes.FLOAT32 in others:
         return []
     (half,) = others
