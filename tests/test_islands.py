@@ -119,7 +119,7 @@ def test_modes_compute_the_same_values(case, auto_is):
     # same program; XLA may still fuse (and so round) differently from one compile to the next
     np.testing.assert_allclose(results["auto"][0], results[auto_is][0], rtol=1e-4)
     assert _tree_rel(results["auto"][1], results[auto_is][1]) < 1e-3
-    np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-6)
+    np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-4)
     assert _tree_rel(results[True][1], results[False][1]) < 1e-2
     for m in MODES:
         np.testing.assert_allclose(results[m][0], v32, rtol=5e-2, atol=1e-2)
