@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ class _Traced:
 class _AmpFunction:
     """The callable ``amp`` returns; see :func:`amp`."""
 
-    def __init__(self, fn: Callable, compute_dtype: np.dtype, policy: Mapping, remat: bool):
+    def __init__(self, fn: Callable, compute_dtype: np.dtype, policy: Mapping, remat: bool | str):
         self.fn = fn
         self.compute_dtype = compute_dtype
         self.policy = policy
@@ -108,7 +108,7 @@ class _AmpFunction:
         return f"amp({getattr(self.fn, '__name__', self.fn)!r}, compute_dtype={self.compute_dtype.name})"
 
 
-def _transform(closed: Any, compute_dtype: np.dtype, policy: Mapping, scopes: tuple[str, ...], remat: bool, ctx: Context | None = None) -> Any:
+def _transform(closed: Any, compute_dtype: np.dtype, policy: Mapping, scopes: tuple[str, ...], remat: bool | str, ctx: Context | None = None) -> Any:
     """The closed jaxpr of ``closed`` re-evaluated under ``policy`` (``ctx``: a context to
     use instead of a new one, e.g. one with an observer, for ``autocast.explain``)."""
     ctx = Context(compute_dtype, policy, remat) if ctx is None else ctx
@@ -125,12 +125,18 @@ def _transform(closed: Any, compute_dtype: np.dtype, policy: Mapping, scopes: tu
     return _compat.close_jaxpr(new_jaxpr, new_consts)
 
 
+def check_remat_float32(remat_float32: Any) -> None:
+    """``True``, ``False`` or ``"auto"``; a ValueError that names the value otherwise."""
+    if not (remat_float32 is True or remat_float32 is False or remat_float32 == "auto"):
+        raise ValueError(f"remat_float32={remat_float32!r} is not allowed; use True, False or 'auto'.")
+
+
 def amp(
     fn: Callable | None = None,
     *,
     compute_dtype: Any = jnp.float16,
     amp_policy: Mapping | None = None,
-    remat_float32: bool = True,
+    remat_float32: bool | Literal["auto"] = "auto",
 ) -> Any:
     """Run ``fn`` in mixed precision.
 
@@ -151,9 +157,11 @@ def amp(
       as ``"bf16"``); ``float32`` makes ``amp`` an exact identity, for A/B debugging.
     - ``amp_policy``: a mapping from primitives or ``jax.named_scope`` names to rules;
       default :data:`autocast.default_amp_policy`. See :func:`autocast.extend_policy`.
-    - ``remat_float32``: recompute, in the backward pass, the float32 intermediates that
-      were computed from half-precision values instead of saving them (the activation
-      memory kept for the backward pass is then half precision). On by default.
+    - ``remat_float32``: whether each run of float32 operations (an "island": a softmax,
+      a layer norm, GELU) is recomputed in the backward pass instead of saving its
+      float32 intermediates. ``"auto"`` (default): only where its float32 intermediates
+      are at least 1.75 times the bytes of its float inputs (islands fed by half-precision
+      activations; not an LSTM cell that updates a float32 carry). ``True``: every island. ``False``: none.
 
     **Returns:** a function with ``fn``'s signature. Calls with the same argument
     structure, shapes and dtypes reuse the transformed jaxpr.
@@ -163,6 +171,7 @@ def amp(
         loss = autocast.amp(loss_fn, compute_dtype=jnp.bfloat16)(params, batch)
         grads = jax.grad(autocast.amp(loss_fn))(params, batch)
     """
+    check_remat_float32(remat_float32)
     dtype = _dtypes.canonical_compute_dtype(compute_dtype)
     policy = default_amp_policy if amp_policy is None else amp_policy
     validate_policy(policy)
@@ -170,6 +179,6 @@ def amp(
         return functools.partial(amp, compute_dtype=dtype, amp_policy=policy, remat_float32=remat_float32)
     if not callable(fn):
         raise TypeError(f"amp(fn={fn!r}): fn must be callable (a function, an Equinox module, ...), got {type(fn).__name__}.")
-    return _AmpFunction(fn, dtype, policy, bool(remat_float32))
+    return _AmpFunction(fn, dtype, policy, remat_float32)
 
 

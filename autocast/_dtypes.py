@@ -92,6 +92,38 @@ def memoised_casts() -> Iterator[None]:
         _cast_memo.reset(token)
 
 
+class _Lazy:
+    """A memo entry built on first use (see :func:`cast_override`)."""
+
+    def __init__(self, make):
+        self.make, self.value = make, None
+
+    def get(self) -> Any:
+        if self.value is None:
+            self.value = self.make()
+        return self.value
+
+
+@contextlib.contextmanager
+def cast_override(x: Any, dtype: Any, make) -> Iterator[None]:
+    """Within the block, ``cast(x, dtype)`` returns ``make()`` (built once, on first use)
+    instead of a plain convert. Needs an enclosing :func:`memoised_casts`."""
+    memo = _cast_memo.get()
+    if memo is None:
+        yield
+        return
+    key = (id(x), np.dtype(dtype))
+    before = memo.get(key)
+    memo[key] = (x, _Lazy(make))
+    try:
+        yield
+    finally:
+        if before is None:
+            del memo[key]
+        else:
+            memo[key] = before
+
+
 def cast(x: Any, dtype: Any) -> Any:
     """Cast ``x`` to ``dtype`` if it is castable and not already of that dtype.
 
@@ -108,7 +140,7 @@ def cast(x: Any, dtype: Any) -> Any:
         key = (id(x), dtype)
         hit = memo.get(key)
         if hit is not None:
-            return hit[1]
+            return hit[1].get() if isinstance(hit[1], _Lazy) else hit[1]
         out = _convert(x, dtype)
         memo[key] = (x, out)
         return out

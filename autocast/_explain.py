@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, _dtypes, _plan, _rules, _walk
-from ._amp import _is_array, _transform
+from ._amp import _is_array, _transform, check_remat_float32
 from ._interpreter import Context, _rule_name
 from ._policy import default_amp_policy, validate_policy
 
@@ -358,7 +358,7 @@ def explain(
     *,
     compute_dtype: Any = jnp.float16,
     amp_policy: Mapping | None = None,
-    remat_float32: bool = True,
+    remat_float32: bool | Literal["auto"] = "auto",
 ) -> Callable[..., Explanation]:
     """Show what :func:`autocast.amp` does to ``fn``: which rule each operation gets and
     why, the dtypes it runs in, and what that costs, without running anything (trace only).
@@ -383,6 +383,7 @@ def explain(
     dtype = _dtypes.canonical_compute_dtype(compute_dtype)
     policy = default_amp_policy if amp_policy is None else amp_policy
     validate_policy(policy)
+    check_remat_float32(remat_float32)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Explanation:
@@ -392,7 +393,7 @@ def explain(
         observer = _Observer(ctx)
         ctx.observer = observer
         scopes = _compat.scope_names(_compat.current_name_stack())
-        transformed = _transform(closed, dtype, policy, scopes, bool(remat_float32), ctx=ctx)
+        transformed = _transform(closed, dtype, policy, scopes, remat_float32, ctx=ctx)
         flops_amp, inter_amp, casts_amp = _costs(transformed)
         flops_32, inter_32, casts_32 = _costs(closed)
         islands = {id(r.island[0]): r.island[1] for r in observer.records if r.island is not None}

@@ -33,16 +33,23 @@ Sharp edges:
   :func:`autocast._plan.input_pulls`).
 - With ``remat_float32`` each contiguous run of float32 equations is evaluated inside its
   own ``jax.checkpoint`` (an island), so their float32 results are recomputed in the
-  backward pass rather than saved. Islands are local: an enclosing user checkpoint keeps
+  backward pass rather than saved; with ``"auto"`` only where that cuts what the island
+  keeps by a large factor (``_worth_recomputing``).
+- An operand narrowed from float32 that an elementwise operation broadcasts (a bias) is
+  broadcast in float32 first, so its gradient (the transpose of the broadcast) is summed in
+  float32 (``_bind_broadcast_in_float32``). Islands are local: an enclosing user checkpoint keeps
   its policy (an outer checkpoint policy would override nested ones).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from jax import lax
 
 from . import _compat, _dtypes, _plan, _rules
 from ._policy import Lookup
@@ -58,14 +65,24 @@ _STRUCTURAL = frozenset(
     }
 )
 _SCATTERS = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"})
+# Elementwise primitives that broadcast size-1 (and rank-0) operands implicitly. Autodiff
+# transposes that broadcast into a ``reduce_sum`` in the dtype of the operand as bound.
+_IMPLICIT_BROADCAST = frozenset(
+    {"add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter", "clamp", "select_n", "add_any"}
+)
+# ... of which these are linear in every float operand: autodiff saves none of them.
+_LINEAR_BROADCAST = frozenset({"add", "sub", "select_n", "add_any"})
 
 
 class Context:
     """What stays fixed while one function is transformed: dtype, policy, caches."""
 
-    def __init__(self, compute_dtype: np.dtype, policy: Any, remat: bool = True):
+    def __init__(self, compute_dtype: np.dtype, policy: Any, remat: bool | str = "auto"):
         self.compute_dtype = compute_dtype
-        self.remat = bool(remat) and compute_dtype != _dtypes.FLOAT32
+        # ``remat``: find float32 islands at all; ``remat_auto``: recompute only those
+        # that the cost model says pay off (see ``_worth_recomputing``).
+        self.remat = remat is not False and compute_dtype != _dtypes.FLOAT32
+        self.remat_auto = remat == "auto"
         self.lookup = Lookup(policy)
         self._jaxpr_cache: dict[Any, Any] = {}
         self._keep_alive: list[Any] = []
@@ -134,16 +151,37 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], env: di
             _eval_eqn(ctx, eqns[i], plan[i], env, read, scopes)
             i += 1
             continue
-        j = i
-        while j < len(eqns) and island[j]:
-            j += 1
-        if all(_plan.is_linear(e) for e in eqns[i:j]):
+        j = _island_end(eqns, plan, island, i)
+        if all(_plan.is_linear(e) for e in eqns[i:j]) or (
+            ctx.remat_auto and not _worth_recomputing(eqns[i:j], read)
+        ):
             marker = (object(), False)
             for k in range(i, j):
                 _eval_eqn(ctx, eqns[k], plan[k], env, read, scopes, marker)
         else:
             _eval_island(ctx, eqns[i:j], plan[i:j], env, read, scopes, last_use, j)
         i = j
+
+
+def _island_end(eqns: Sequence[Any], plan: list, island: list[bool], i: int) -> int:
+    """End of the island starting at ``i``: the run of float32 equations, continued over
+    equations without float results (integer index arithmetic between a norm's statistics
+    and its normalisation) when more float32 equations follow, so that one island does not
+    hand a float32 activation to the next."""
+    j = i
+    while True:
+        while j < len(eqns) and island[j]:
+            j += 1
+        k = j
+        while k < len(eqns) and not island[k] and _bridges(eqns[k], plan[k]):
+            k += 1
+        if k == j or k == len(eqns) or not island[k]:
+            return j
+        j = k
+
+
+def _bridges(eqn: Any, step: tuple[str, Any]) -> bool:
+    return step[0] == _plan.RULE and not eqn.effects and not any(_dtypes.is_castable(v.aval.dtype) for v in eqn.outvars)
 
 
 def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, scopes: tuple[str, ...], island: Any = None) -> None:
@@ -174,16 +212,55 @@ def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, sc
             env[var] = (val, f)
 
 
-def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, read, scopes, last_use: dict, end: int) -> None:
-    """Evaluate a run of float32 equations inside ``jax.checkpoint`` (save nothing): the
-    backward pass recomputes them from the island's inputs (half-precision activations,
-    parameters) instead of keeping their float32 results."""
+def _island_inputs(eqns: Sequence[Any]) -> list[Any]:
     defined = {v for eqn in eqns for v in eqn.outvars}
     inputs: list[Any] = []
     for eqn in eqns:
         for v in eqn.invars:
             if not isinstance(v, _compat.Literal) and v not in defined and v not in inputs:
                 inputs.append(v)
+    return inputs
+
+
+def _nbytes(x: Any) -> int:
+    return int(np.size(x)) * _dtypes.dtype_of(x).itemsize
+
+
+# An island fed by half-precision activations keeps at least twice their bytes in float32
+# (ratio 2: a softmax's exp); an LSTM cell updating a float32 carry about 1.6 times.
+_RECOMPUTE_RATIO = 1.75
+
+
+def _worth_recomputing(eqns: Sequence[Any], read) -> bool:
+    """The island cost model of ``remat_float32="auto"``: recompute an island only if that
+    cuts the memory it keeps for the backward pass by a large factor (``_RECOMPUTE_RATIO``).
+
+    Recomputed, the island keeps its inputs (in the dtypes they arrive in). Not
+    recomputed, the backward pass keeps its float32 intermediates, estimated as the float32
+    results of its non-linear operations (each is, or is the size of, a value their
+    derivative needs). An island fed by half-precision activations always qualifies (each
+    float32 value is twice its half-precision source); one whose inputs are float32
+    activations of its own size (an LSTM cell updating a float32 carry) does not: there the
+    recomputation would cost a second evaluation for a small saving.
+    """
+    kept_if_recomputed = sum(
+        _nbytes(read(v)[0]) for v in _island_inputs(eqns) if _dtypes.is_castable(v.aval.dtype)
+    )  # integer and boolean inputs (labels, masks) are small or kept by their users anyway
+    kept_if_saved = sum(
+        v.aval.size * _dtypes.FLOAT32.itemsize
+        for eqn in eqns
+        if not _plan.is_linear(eqn)
+        for v in eqn.outvars
+        if _dtypes.is_castable(v.aval.dtype) and not isinstance(v, _compat.DropVar)
+    )
+    return kept_if_saved >= _RECOMPUTE_RATIO * kept_if_recomputed
+
+
+def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, read, scopes, last_use: dict, end: int) -> None:
+    """Evaluate a run of float32 equations inside ``jax.checkpoint`` (save nothing): the
+    backward pass recomputes them from the island's inputs (half-precision activations,
+    parameters) instead of keeping their float32 results."""
+    inputs = _island_inputs(eqns)
     outputs = [v for eqn in eqns for v in eqn.outvars if not isinstance(v, _compat.DropVar) and last_use.get(v, -1) >= end]
     if not outputs:
         return
@@ -278,16 +355,89 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
     orig = original_dtypes(eqn)
     token = _rules._free_mask.set(in_free)
     try:
-        result = rule(ctx.compute_dtype, orig, *invals, **dict(eqn.params))
+        with contextlib.ExitStack() as stack:
+            for i, dtype in _float32_broadcasts_ahead(eqn, prim, invals):
+                stack.enter_context(_dtypes.cast_override(invals[i], dtype, functools.partial(_broadcast_cast, invals[i], eqn, dtype)))
+            result = rule(ctx.compute_dtype, orig, *invals, **dict(eqn.params))
     finally:
         _rules._free_mask.reset(token)
     new_invals, params = _check_rule_result(result, prim, rule, invals, orig)
     if prim.name in _SCATTERS:
         params = _retype_combiner(ctx, params, new_invals[0])
-    outs = _compat.bind(prim, new_invals, params)
+    outs = _bind_broadcast_in_float32(eqn, prim, invals, new_invals, params)
     structural = prim.name in _STRUCTURAL
     floats_free = all(f for f, d in zip(in_free, orig) if _dtypes.is_castable(d))
     return outs, [structural and floats_free] * len(outs), new_invals
+
+
+def _broadcast_candidates(eqn: Any, prim: Any, invals: Sequence[Any]) -> list[int]:
+    """Float32 operands (traced: they may get a gradient) that ``eqn`` broadcasts."""
+    if prim.name not in _IMPLICIT_BROADCAST or len(eqn.outvars) != 1:
+        return []
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    return [
+        i
+        for i, x in enumerate(invals)
+        if _compat.is_tracer(x)
+        and _dtype_or_none(x) == _dtypes.FLOAT32
+        and tuple(np.shape(x)) != out_shape
+        and len(np.shape(x)) in (0, len(out_shape))
+    ]
+
+
+def _broadcast_cast(x: Any, eqn: Any, dtype: Any) -> Any:
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    dims = tuple(range(len(out_shape))) if np.ndim(x) else ()
+    return lax.convert_element_type(lax.broadcast_in_dim(x, out_shape, dims), dtype)
+
+
+def _float32_broadcasts_ahead(eqn: Any, prim: Any, invals: Sequence[Any]) -> list[tuple[int, Any]]:
+    """For an operation linear in its operands (``x16 + bias32``): the broadcast operands
+    whose narrowing is predictable (the other float operands share one half dtype), with
+    that dtype. The rule's cast of them then broadcasts in float32 first (no dead convert
+    left behind); see :func:`_bind_broadcast_in_float32` for the rest."""
+    if prim.name not in _LINEAR_BROADCAST:
+        return []
+    cands = _broadcast_candidates(eqn, prim, invals)
+    others = {_dtype_or_none(x) for i, x in enumerate(invals) if i not in cands and _dtypes.is_castable(_dtype_or_none(x))}
+    if not cands or len(others) != 1 or _dtypes.FLOAT32 in others:
+        return []
+    (half,) = others
+    return [(i, half) for i in cands]
+
+
+def _bind_broadcast_in_float32(eqn: Any, prim: Any, invals: list[Any], new_invals: list[Any], params: dict[str, Any]) -> list[Any]:
+    """Bind, broadcasting in float32 the operands that the rule narrowed from float32 and
+    that the primitive broadcasts (a bias ``(1, C)`` added to ``(N, C)`` activations).
+
+    Casting first and broadcasting in half precision would make the gradient of such an
+    operand (JAX's transpose of the broadcast: a sum over the broadcast axes, thousands of
+    terms for a bias) a half-precision reduction. Broadcast-then-cast is the same forward
+    value, and its transpose is ``convert`` to float32 followed by ``reduce_sum`` in
+    float32, which XLA fuses (no float32 activation-sized buffer). For a primitive that is
+    not linear in the operand (``x * scale``) the broadcast is recomputed in the backward
+    pass (``jax.checkpoint``) rather than saved as an activation-sized residual.
+    """
+    widen = [
+        i
+        for i in _broadcast_candidates(eqn, prim, invals)
+        if _dtypes.dtype_of(new_invals[i]) in _dtypes.CASTABLE
+        and _dtypes.dtype_of(new_invals[i]) != _dtypes.FLOAT32
+        and np.shape(new_invals[i]) == np.shape(invals[i])  # not already broadcast ahead
+    ]
+    if not widen:
+        return _compat.bind(prim, new_invals, params)
+
+    def bind(*ops):
+        ops = list(ops)
+        for i in widen:
+            ops[i] = _broadcast_cast(ops[i], eqn, _dtypes.dtype_of(new_invals[i]))
+        return _compat.bind(prim, ops, params)
+
+    ops = [invals[i] if i in widen else x for i, x in enumerate(new_invals)]
+    if prim.name in _LINEAR_BROADCAST:
+        return bind(*ops)
+    return _compat.checkpoint(bind)(*ops)
 
 
 def _check_rule_result(result: Any, prim: Any, rule: Any, invals: Sequence[Any], orig: Sequence[Any]):

@@ -16,7 +16,7 @@ from ._policy import AMP_STOP
 LINEAR = frozenset(
     {
         "add", "sub", "neg", "reduce_sum", "cumsum", "reduce_window_sum", "broadcast_in_dim",
-        "reshape", "transpose", "squeeze", "expand_dims", "rev", "pad", "concatenate", "slice",
+        "reshape", "transpose", "squeeze", "expand_dims", "rev", "pad", "concatenate", "split", "slice",
         "dynamic_slice", "copy", "copy_p", "convert_element_type", "select_n", "stop_gradient",
         "add_any", "real", "imag", "conj", "psum",
     }

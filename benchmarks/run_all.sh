@@ -10,6 +10,8 @@ $PY -m benchmarks.bench_vit --shape base --sizes 1 2 --repeats 3 --warmup 1
 $PY -m benchmarks.bench_overhead
 $PY -m benchmarks.bench_mlp_residuals
 $PY -m benchmarks.bench_custom_derivatives
+$PY -m benchmarks.bench_bias_grad
+$PY -m benchmarks.bench_lstm_scan
 # head-to-head at one batch size with more rounds, plus the fp32 recompute control
 $PY -m benchmarks.bench_vit --shape desktop --sizes 16 --repeats 15 --warmup 2 \
     --systems fp32 fp32-remat autocast-f16 autocast-f16-noremat mpx-f16 autocast-bf16 mpx-bf16 \

@@ -1,0 +1,126 @@
+"""Step time and activation memory of an Equinox LSTM under ``lax.scan``: float32 vs
+autocast bfloat16 with ``remat_float32`` = ``"auto"`` / ``True`` / ``False``.
+
+The LSTM cell's float32 island (the cell update ``f * c + i * g`` and ``o * tanh(c)``,
+float32 because the carry ``c`` is float32) has a float32 input as large as its outputs:
+recomputing it in the backward pass saves little memory and, in an elementwise-bound
+recurrent step, costs a second evaluation of the cell. Run::
+
+    python -m benchmarks.bench_lstm_scan
+
+Writes ``benchmarks/results/lstm_scan.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+import autocast
+from benchmarks import _common
+
+
+class LSTM(eqx.Module):
+    cell: eqx.nn.LSTMCell
+    out: eqx.nn.Linear
+
+    def __init__(self, key, features, hidden):
+        k1, k2 = jax.random.split(key)
+        self.cell = eqx.nn.LSTMCell(features, hidden, key=k1)
+        self.out = eqx.nn.Linear(hidden, 1, key=k2)
+
+    def __call__(self, xs):  # (seq, features) -> scalar
+        def body(carry, x):
+            carry = self.cell(x, carry)
+            return carry, None
+
+        init = (jnp.zeros(self.cell.hidden_size), jnp.zeros(self.cell.hidden_size))
+        (h, _), _ = jax.lax.scan(body, init, xs)
+        return self.out(h)[0]
+
+
+def loss_fn(model, xs, ys):
+    return jnp.mean((jax.vmap(model)(xs) - ys) ** 2)
+
+
+def _step(loss, opt):
+    @jax.jit
+    def step(model, opt_state, xs, ys):
+        value, grads = jax.value_and_grad(loss)(model, xs, ys)
+        updates, opt_state = opt.update(grads, opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state, value
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--features", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", default="lstm_scan")
+    args = parser.parse_args()
+    model = LSTM(jax.random.key(0), args.features, args.hidden)
+    xs = jax.random.normal(jax.random.key(1), (args.batch, args.seq, args.features))
+    ys = jax.random.normal(jax.random.key(2), (args.batch,))
+    opt = optax.sgd(1e-3)
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    bf16 = jnp.bfloat16
+    losses = {
+        "fp32": loss_fn,
+        "autocast-bf16 (remat auto)": autocast.amp(loss_fn, compute_dtype=bf16, remat_float32="auto"),
+        "autocast-bf16 (remat True)": autocast.amp(loss_fn, compute_dtype=bf16, remat_float32=True),
+        "autocast-bf16 (remat False)": autocast.amp(loss_fn, compute_dtype=bf16, remat_float32=False),
+    }
+    runners, residuals, losses_out = {}, {}, {}
+    for name, loss in losses.items():
+        step = _step(loss, opt)
+        losses_out[name] = float(step(model, opt_state, xs, ys)[2])
+        runners[name] = lambda step=step: step(model, opt_state, xs, ys)
+        residuals[name] = _common.residual_bytes(loss, model, xs, ys)
+    times = _common.interleaved_medians(runners, warmup=2, repeats=args.repeats)
+    base = times["fp32"]["median"]
+    meta = _common.metadata()
+    command = "python -m benchmarks.bench_lstm_scan " + " ".join(sys.argv[1:])
+    rows = {
+        name: {
+            "step_median_s": times[name]["median"],
+            "step_iqr_s": times[name]["iqr"],
+            "step_vs_fp32": times[name]["median"] / base,
+            "activation_bytes": residuals[name]["activation"],
+            "activation_by_dtype": residuals[name]["activation_by_dtype"],
+            "loss": losses_out[name],
+        }
+        for name in losses
+    }
+    _common.write_json(_common.RESULTS_DIR / f"{args.out}.json", {"command": command, "args": vars(args), "metadata": meta, "results": rows})
+    lines = [
+        f"# LSTM under lax.scan: step time, float32 vs autocast bfloat16\n",
+        f"Command: `{command}`\n",
+        _common.metadata_markdown(meta),
+        "Shared machine (2 cores, several agents): step times are medians of interleaved rounds.\n",
+        f"Batch {args.batch}, sequence {args.seq}, features {args.features}, hidden {args.hidden}; "
+        "one SGD step under `jax.jit` (`value_and_grad`).\n",
+        "| system | step (median) | vs fp32 | activation residuals | by dtype | loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        by = ", ".join(f"{k}: {_common.fmt_bytes(v)}" for k, v in sorted(r["activation_by_dtype"].items()))
+        lines.append(
+            f"| {name} | {r['step_median_s'] * 1e3:.2f} ms | {r['step_vs_fp32']:.2f}x | "
+            f"{_common.fmt_bytes(r['activation_bytes'])} | {by} | {r['loss']:.5f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    (_common.RESULTS_DIR / f"{args.out}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Float32 islands and ``remat_float32``: which islands are recomputed in the backward pass.
+
+``"auto"`` (the default) recomputes an island only if that at least halves the memory it
+keeps for the backward pass: a softmax or layer norm of a half-precision activation is
+recomputed (its float32 intermediates are twice the size of its input); an LSTM cell that
+updates a float32 carry is not (its float32 input is as large as its intermediates).
+``True`` recomputes every island, ``False`` none. All three compute the same values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autocast
+from autocast import _compat
+from helpers import walk
+
+MODES = ("auto", True, False)
+
+
+def _keys(n):
+    return jax.random.split(jax.random.key(0), n)
+
+
+def softmax_layernorm(p, x):
+    h = x @ p["w"]
+    h = jax.nn.softmax(h, axis=-1) @ p["w2"]
+    mu = h.mean(-1, keepdims=True)
+    h = (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * p["g"]
+    return jnp.sum(h @ p["w3"])
+
+
+def softmax_params():
+    k = _keys(5)
+    p = {"w": jax.random.normal(k[0], (32, 64)) / 6, "w2": jax.random.normal(k[1], (64, 64)) / 8,
+         "g": jnp.ones(64), "w3": jax.random.normal(k[2], (64, 4)) / 8}
+    return p, jax.random.normal(k[3], (256, 32))
+
+
+def lstm(p, xs):
+    """An LSTM cell under ``lax.scan`` with a float32 carry (the cell update is an island
+    whose inputs are the half-precision gates and the float32 cell state)."""
+
+    def body(carry, x):
+        h, c = carry
+        gates = x @ p["wi"] + h @ p["wh"] + p["b"]
+        i, f, g, o = jnp.split(gates, 4, axis=-1)
+        c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+        h = jax.nn.sigmoid(o) * jnp.tanh(c)
+        return (h, c), None
+
+    b, hidden = xs.shape[1], p["wh"].shape[0]
+    (h, _), _ = jax.lax.scan(body, (jnp.zeros((b, hidden)), jnp.zeros((b, hidden))), xs)
+    return jnp.mean(h @ p["wo"])
+
+
+def lstm_params():
+    k = _keys(5)
+    hidden = 32
+    p = {"wi": jax.random.normal(k[0], (16, 4 * hidden)) / 4, "wh": jax.random.normal(k[1], (hidden, 4 * hidden)) / 6,
+         "b": jnp.zeros(4 * hidden), "wo": jax.random.normal(k[2], (hidden, 1)) / 6}
+    return p, jax.random.normal(k[3], (12, 8, 16))
+
+
+CASES = {"softmax+layernorm": (softmax_layernorm, softmax_params), "LSTM cell (scan)": (lstm, lstm_params)}
+
+
+def _float32_residual_bytes(f, p, x) -> int:
+    """Bytes of float32 residuals of ``jax.grad`` that are at least as large as the batch
+    of one step's activations (parameters and scalars excluded)."""
+    return sum(a.size * 4 for a, src in _compat.saved_residuals(f, p, x) if a.dtype == jnp.float32 and a.size >= 256 and "argument" not in src)
+
+
+def _n_checkpoints(f, p, x) -> int:
+    closed = jax.make_jaxpr(f)(p, x)
+    return sum(e.primitive.name in ("checkpoint", "remat2", "remat") for e, _ in walk(closed))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_softmax_layernorm_island_is_recomputed_in_auto(dtype):
+    p, x = softmax_params()
+    auto = autocast.amp(softmax_layernorm, compute_dtype=dtype)
+    assert _n_checkpoints(auto, p, x) >= 2
+    assert _float32_residual_bytes(auto, p, x) == 0
+    off = autocast.amp(softmax_layernorm, compute_dtype=dtype, remat_float32=False)
+    assert _n_checkpoints(off, p, x) == 0
+    assert _float32_residual_bytes(off, p, x) >= 2 * 256 * 64 * 4  # softmax and norm intermediates
+
+
+def test_lstm_island_with_float32_carry_is_not_recomputed_in_auto():
+    p, x = lstm_params()
+    auto = autocast.amp(lstm, compute_dtype=jnp.bfloat16)
+    on = autocast.amp(lstm, compute_dtype=jnp.bfloat16, remat_float32=True)
+    off = autocast.amp(lstm, compute_dtype=jnp.bfloat16, remat_float32=False)
+    assert _n_checkpoints(auto, p, x) == _n_checkpoints(off, p, x) == 0
+    assert _n_checkpoints(on, p, x) >= 1
+    res = {name: _float32_residual_bytes(f, p, x) for name, f in (("auto", auto), ("on", on), ("off", off))}
+    assert res["auto"] == res["off"] > res["on"], res
+
+
+def _tree_rel(a, b) -> float:
+    a = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(a)]).astype(np.float32)
+    b = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(b)]).astype(np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("case, auto_is", [("softmax+layernorm", True), ("LSTM cell (scan)", False)])
+def test_modes_compute_the_same_values(case, auto_is):
+    """``auto`` computes what the mode it picks for the island computes; recomputing or not changes
+    only the rounding of the backward pass (half-precision level); all are mixed precision
+    of the float32 function."""
+    f, make = CASES[case]
+    p, x = make()
+    results = {m: jax.jit(jax.value_and_grad(autocast.amp(f, compute_dtype=jnp.bfloat16, remat_float32=m)))(p, x) for m in MODES}
+    v32, g32 = jax.value_and_grad(f)(p, x)
+    # same program; XLA may still fuse (and so round) differently from one compile to the next
+    np.testing.assert_allclose(results["auto"][0], results[auto_is][0], rtol=1e-4)
+    assert _tree_rel(results["auto"][1], results[auto_is][1]) < 1e-3
+    np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-4)
+    assert _tree_rel(results[True][1], results[False][1]) < 1e-2
+    for m in MODES:
+        np.testing.assert_allclose(results[m][0], v32, rtol=5e-2, atol=1e-2)
+        assert _tree_rel(results[m][1], g32) < 5e-2
+
+
+@pytest.mark.parametrize("bad", ["yes", "Auto", 1, None, 0.0])
+def test_bad_remat_float32_is_rejected(bad):
+    with pytest.raises(ValueError, match=r"remat_float32=.*True, False or 'auto'"):
+        autocast.amp(softmax_layernorm, remat_float32=bad)
