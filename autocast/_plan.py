@@ -126,31 +126,35 @@ def input_pulls(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_float32:
     """Which inputs of a (closed or open) sub-jaxpr are consumed only in float32, given
     which of its outputs are; memoised per jaxpr.
 
-    With ``ctx.remat`` an input counts only if every equation reading it needs nothing of
-    it in the backward pass (``gather``, slices, additions, ...): a float32 value handed to
-    a float32 island would be stored for the backward pass instead of the half-precision
-    one, so such inputs stay half and are cast inside the body's island.
+    With ``ctx.remat`` an input counts only if nothing inside the body would have to keep
+    it, or a value derived from it, in float32 for the backward pass: it may flow through
+    data movement and linear operations (``gather``, slices, additions, ...) to the body's
+    outputs or into nested bodies that pull it, but not into a non-linear operation (a
+    float32 island would then store the float32 value instead of the half-precision one;
+    such inputs stay half and are cast inside the body's island). ``x - mean(x)`` followed
+    by a square (a variance) keeps ``x`` half; a gather of logits takes them in float32.
     """
 
     def build():
         open_, _ = _compat.open_and_consts(jaxpr_like)
         steps, _, wants32 = _plan(ctx, open_, scopes, out_float32)
-        readers: dict[Any, list[bool]] = {}
-        for eqn, (kind, rule) in zip(open_.eqns, steps):
+        risky: set = set()  # vars whose float32 value a non-linear operation would keep
+        for eqn, (kind, rule) in reversed(list(zip(open_.eqns, steps))):
+            outs_risky = any(v in risky for v in eqn.outvars)
             for pos, v in enumerate(eqn.invars):
                 if isinstance(v, _compat.Literal):
                     continue
                 if kind == HIGHER:
                     ok = rule[2][pos]
                 else:
-                    ok = eqn.primitive.name in _NO_RESIDUAL or is_linear(eqn)
-                readers.setdefault(v, []).append(bool(ok))
+                    ok = (eqn.primitive.name in _NO_RESIDUAL or is_linear(eqn)) and not outs_risky
+                if not ok:
+                    risky.add(v)
         out_set = {v for v in open_.outvars if not isinstance(v, _compat.Literal)}
         flags = []
         for v in open_.invars:
-            reads = readers.get(v, [])
-            wanted = _dtypes.is_castable(v.aval.dtype) and bool(reads) and v not in out_set and wants32.get(v, False)
-            flags.append(bool(wanted and (not ctx.remat or all(reads))))
+            wanted = _dtypes.is_castable(v.aval.dtype) and v not in out_set and wants32.get(v, False)
+            flags.append(bool(wanted and (not ctx.remat or v not in risky)))
         return flags
 
     return list(ctx.cached(("pulls", scopes, tuple(bool(f) for f in out_float32)), jaxpr_like, build))
