@@ -24,10 +24,12 @@ from helpers import walk
 
 FACTORIES = eqx_models.MODELS + flax_models.MODELS
 
-#: Models whose float32 residuals come from custom-derivative functions: ``jax.nn.relu``
-#: is a ``custom_jvp`` whose JVP rule runs as written, in float32, and keeps a float32
-#: ``zeros_like`` the size of the activation (``output of broadcast_in_dim``). Fixed by the
-#: custom_jvp/custom_vjp part of issue 9; empty this list once it is merged.
+#: Models whose float32 residuals come from ``jax.nn.relu`` applied to a float32 value:
+#: a BatchNorm island hands its float32 result to ``relu`` (a ``custom_jvp``, which runs
+#: in the dtype its operand arrives in), whose JVP keeps a float32 ``zeros_like`` the size
+#: of the activation (``output of broadcast_in_dim``). Narrowing the island's result to
+#: the compute dtype before such a call (its consumer, a convolution, narrows it right
+#: after) would remove it; until then the census pins exactly these residuals.
 _NEEDS_CUSTOM_DERIV_FIX: list[str] = ["eqx_cnn_batchnorm", "linen_cnn_batchnorm", "nnx_cnn_split_merge"]
 
 #: Models whose ``lax.scan`` carries a float32 activation: the residual stream of a
