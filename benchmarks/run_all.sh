@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Re-create every file in benchmarks/results/ (about 30 min on a 2-core CPU).
-# Run from the repo root, in an environment with `pip install -e ".[demo]"`.
+# Run from the repo root, in an environment with `pip install -e ".[demo,test]"` (the
+# test extra brings the comparison packages: mixed-precision-for-jax, jmp, jaxamp).
 set -euo pipefail
 PY=${PYTHON:-python}
 $PY -m benchmarks.demo
@@ -12,6 +13,7 @@ $PY -m benchmarks.bench_mlp_residuals
 $PY -m benchmarks.bench_custom_derivatives
 $PY -m benchmarks.bench_bias_grad
 $PY -m benchmarks.bench_lstm_scan
+$PY -m benchmarks.explain_vit --batch 8
 # head-to-head at one batch size with more rounds, plus the fp32 recompute control
 $PY -m benchmarks.bench_vit --shape desktop --sizes 16 --repeats 15 --warmup 2 \
     --systems fp32 fp32-remat autocast-f16 autocast-f16-noremat mpx-f16 autocast-bf16 mpx-bf16 \
