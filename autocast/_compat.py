@@ -326,13 +326,3 @@ def discover_primitives() -> dict[str, list[Primitive]]:
             if isinstance(value, Primitive):
                 found.setdefault(value.name, {})[id(value)] = value
     return {name: list(prims.values()) for name, prims in found.items()}
-
-
-def saved_residuals(fun: Callable, *args: Any) -> list[tuple[Any, str]]:
-    """The values ``jax.grad(fun)`` would keep for the backward pass: (aval, source) pairs.
-
-    Used by tests and benchmarks only. JAX 0.4 to 0.12 have it as
-    ``jax._src.ad_checkpoint.saved_residuals``; only its printing wrapper
-    (``jax.ad_checkpoint.print_saved_residuals``) is public.
-    """
-    return importlib.import_module("jax._src.ad_checkpoint").saved_residuals(fun, *args)
