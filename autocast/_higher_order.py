@@ -104,7 +104,7 @@ def _body_pulls(param: str):
 
 
 for _prim, _param in ((_compat.jit_p, "jaxpr"), (_compat.closed_call_p, "call_jaxpr"), (_compat.remat_p, "jaxpr")):
-    register_higher_order(_prim, pulls=_body_pulls(_param))(_call_like(_param))
+    register_higher_order(_prim, pulls=_body_pulls(_param), body=_param)(_call_like(_param))
 
 
 # --- custom derivatives: body and rules in the arriving dtypes ------------------------------
@@ -139,7 +139,7 @@ def _zero_tangent(aval: Any) -> Any:
     return np.zeros(aval.shape, jax.dtypes.float0)
 
 
-@register_higher_order(_compat.custom_jvp_call_p)
+@register_higher_order(_compat.custom_jvp_call_p, body="call_jaxpr")
 def _custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     """``custom_jvp_call`` rebuilt with ``jax.custom_jvp``: the body specialised to the
     arriving dtypes, and a JVP rule that evaluates the user's rule (the jaxpr JAX traced

@@ -127,14 +127,14 @@ def eval_jaxpr(
     for var, val, is_const in _compat.bind_inputs(jaxpr, consts, args):
         env[var] = (val, True if is_const else next(free_it))
 
-    plan, island = _plan.plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars))
+    plan, island, narrow = _plan.plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars))
     with _dtypes.memoised_casts():
-        _eval_eqns(ctx, jaxpr, plan, island, env, read, scopes)
+        _eval_eqns(ctx, jaxpr, plan, island, narrow, env, read, scopes)
     results = [read(v) for v in jaxpr.outvars]
     return [x for x, _ in results], [f for _, f in results]
 
 
-def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], env: dict, read, scopes: tuple[str, ...]) -> None:
+def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], narrow: set, env: dict, read, scopes: tuple[str, ...]) -> None:
     eqns = jaxpr.eqns
     last_use: dict[Any, int] = {}
     if any(island):
@@ -149,18 +149,32 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], env: di
     while i < len(eqns):
         if not island[i]:
             _eval_eqn(ctx, eqns[i], plan[i], env, read, scopes)
-            i += 1
-            continue
-        j = _island_end(eqns, plan, island, i)
-        if all(_plan.is_linear(e) for e in eqns[i:j]) or (
-            ctx.remat_auto and not _worth_recomputing(eqns[i:j], read)
-        ):
-            marker = (object(), False)
-            for k in range(i, j):
-                _eval_eqn(ctx, eqns[k], plan[k], env, read, scopes, marker)
+            j = i + 1
         else:
-            _eval_island(ctx, eqns[i:j], plan[i:j], env, read, scopes, last_use, j)
+            j = _island_end(eqns, plan, island, i)
+            if all(_plan.is_linear(e) for e in eqns[i:j]) or (
+                ctx.remat_auto and not _worth_recomputing(eqns[i:j], read)
+            ):
+                marker = (object(), False)
+                for k in range(i, j):
+                    _eval_eqn(ctx, eqns[k], plan[k], env, read, scopes, marker)
+            else:
+                _eval_island(ctx, eqns[i:j], plan[i:j], env, read, scopes, last_use, j)
+        if narrow:
+            _narrow(ctx, eqns[i:j], narrow, env)
         i = j
+
+
+def _narrow(ctx: Context, eqns: Sequence[Any], narrow: set, env: dict) -> None:
+    """Round the float32 results that only half-precision consumers read (see
+    :func:`autocast._plan.plan`) to the compute dtype where they are made."""
+    for eqn in eqns:
+        for v in eqn.outvars:
+            if v in narrow and v in env:
+                x, free = env[v]
+                if _dtypes.dtype_of(x) == _dtypes.FLOAT32 and not free:
+                    with _compat.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack):
+                        env[v] = (_dtypes.cast(x, ctx.compute_dtype), free)
 
 
 def _island_end(eqns: Sequence[Any], plan: list, island: list[bool], i: int) -> int:

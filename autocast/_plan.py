@@ -23,8 +23,20 @@ LINEAR = frozenset(
 )
 STOP, HIGHER, RULE = "stop", "higher", "rule"
 
+# Operations that commute with rounding to a narrower float dtype: ``op(round(x)) ==
+# round(op(x))`` for any operand values (rounding is monotone and symmetric; these only
+# move, select or compare values). A float32 value that reaches a half-precision consumer
+# only through them can be rounded first: they then run in half precision, same values.
+COMMUTES_WITH_ROUNDING = frozenset(
+    {
+        "max", "min", "neg", "abs", "select_n", "reduce_max", "reduce_min", "broadcast_in_dim",
+        "reshape", "transpose", "squeeze", "expand_dims", "rev", "pad", "concatenate", "split",
+        "slice", "dynamic_slice", "gather", "copy", "copy_p", "sharding_constraint", "stop_gradient",
+    }
+)
 
-def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> tuple[list[tuple[str, Any]], list[bool]]:
+
+def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> tuple[list[tuple[str, Any]], list[bool], set]:
     """For each equation: how it is evaluated, with which rule, and whether it computes in
     float32 (such equations are evaluated inside ``jax.checkpoint`` islands when
     ``ctx.remat``: their float32 results are recomputed in the backward pass from the
@@ -40,11 +52,18 @@ def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bo
     float32 (its bodies then compute them in float32 too), and which operands its bodies
     consume only in float32 (from the primitive's pull rule; the interpreter casts those
     once, outside, and the outer plan counts the equation as a float32 consumer of them).
+
+    The third result is the set of vars to *narrow*: float vars that every consumer reads
+    in the compute dtype, directly (a matmul, a convolution) or through operations that
+    commute with rounding (``relu``, data movement; see :func:`narrow_inputs`). A float32
+    value such a var holds (a norm's result) is rounded where it is made, so ``relu``
+    between a BatchNorm and a convolution runs, and keeps its residual, in half precision.
     """
-    return _plan(ctx, jaxpr, scopes, out_float32)[:2]
+    steps, island, _, narrow = _plan(ctx, jaxpr, scopes, out_float32)
+    return steps, island, narrow
 
 
-def _plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]):
+def _plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool], out_narrow: Sequence[bool] | None = None):
     steps: list[tuple[str, Any]] = []
     f32_made: set = set()  # vars computed in float32 by a float32 rule (or derived from one)
     for eqn in jaxpr.eqns:
@@ -96,25 +115,72 @@ def _plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[b
                 continue
             wants32[v] = wants32.get(v, True) and pulls
 
+    narrow = _narrowed(ctx, jaxpr, steps, scopes, out_narrow) if ctx.compute_dtype != _dtypes.FLOAT32 else set()
+
     # Forward again: which equations compute in float32 (rematerialisation islands).
     island = [False] * len(steps)
     if ctx.remat:
         f32: set = set()
         for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, steps)):
-            if kind != RULE:
-                continue
-            if eqn.effects:  # callbacks and other effects cannot be rematerialised
+            if eqn.effects or kind == STOP:  # callbacks and other effects cannot be rematerialised
                 continue
             ins = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
             outs32 = any(v.aval.dtype == _dtypes.FLOAT32 for v in eqn.outvars)
-            if (
-                rule is _rules.use_float32_precision
-                or (rule in (_rules.use_input_precision, _rules.use_widest_precision) and any(v in f32 for v in ins))
-                or (rule is _rules.use_original_precision and outs32)
-            ):
+            if kind == HIGHER:
+                # a call fed by the island (relu after a norm) joins it: its own residuals
+                # (relu's zeros_like, a float32 activation) are recomputed too
+                joins = eqn.primitive in _registry.NARROW_BODIES and any(v in f32 for v in ins)
+            else:
+                joins = (
+                    rule is _rules.use_float32_precision
+                    or (rule in (_rules.use_input_precision, _rules.use_widest_precision) and any(v in f32 for v in ins))
+                    or (rule is _rules.use_original_precision and outs32)
+                )
+            if joins:
                 island[i] = True
-                f32.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
-    return steps, island, wants32
+                f32.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype) and v not in narrow)
+    return steps, island, wants32, narrow
+
+
+def _narrowed(ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], out_narrow: Sequence[bool] | None) -> set:
+    """The float vars whose every consumer reads them in the compute dtype (see :func:`plan`)."""
+    ok: dict[Any, bool] = {}
+    for v, n in zip(jaxpr.outvars, out_narrow or [False] * len(jaxpr.outvars)):
+        if not isinstance(v, _compat.Literal):
+            ok[v] = ok.get(v, True) and bool(n)
+    for eqn, (kind, rule) in zip(reversed(jaxpr.eqns), reversed(steps)):
+        outs_ok = all(isinstance(v, _compat.DropVar) or ok.get(v, False) for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
+        if kind == RULE and rule is _rules.use_compute_precision:
+            flags = [True] * len(eqn.invars)
+        elif kind == RULE and rule is _rules.use_input_precision and eqn.primitive.name in COMMUTES_WITH_ROUNDING:
+            flags = [outs_ok] * len(eqn.invars)
+        elif kind == HIGHER and eqn.primitive in _registry.NARROW_BODIES:
+            out_n = [isinstance(v, _compat.DropVar) or ok.get(v, False) for v in eqn.outvars]
+            eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
+            flags = narrow_inputs(ctx, eqn.params[_registry.NARROW_BODIES[eqn.primitive]], eqn_scopes, out_n)
+        else:
+            flags = [False] * len(eqn.invars)
+        for v, flag in zip(eqn.invars, flags):
+            if not isinstance(v, _compat.Literal) and _dtypes.is_castable(v.aval.dtype):
+                ok[v] = ok.get(v, True) and flag
+    return {v for v, flag in ok.items() if flag}
+
+
+def narrow_inputs(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_narrow: Sequence[bool]) -> list[bool]:
+    """Which inputs of a sub-jaxpr (whose invars are its equation's operands, one to one)
+    reach half-precision consumers only through operations that commute with rounding,
+    given which of its outputs do; memoised per jaxpr. ``relu``'s ``custom_jvp`` body
+    (``max(x, 0)``) passes its input on: a float32 value fed to ``relu`` and then to a
+    convolution is rounded before the ``relu``."""
+
+    def build():
+        open_, _ = _compat.open_and_consts(jaxpr_like)
+        out32 = [False] * len(open_.outvars)
+        steps, _, _, narrow = _plan(ctx, open_, scopes, out32, out_narrow)
+        outs = {v for v in open_.outvars if not isinstance(v, _compat.Literal)}
+        return [v in narrow and v not in outs for v in open_.invars]
+
+    return list(ctx.cached(("narrow", scopes, tuple(bool(f) for f in out_narrow)), jaxpr_like, build))
 
 
 # Equations whose backward pass does not need their float operands (linear in them, with
@@ -137,7 +203,7 @@ def input_pulls(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_float32:
 
     def build():
         open_, _ = _compat.open_and_consts(jaxpr_like)
-        steps, _, wants32 = _plan(ctx, open_, scopes, out_float32)
+        steps, _, wants32, _ = _plan(ctx, open_, scopes, out_float32)
         risky: set = set()  # vars whose float32 value a non-linear operation would keep
         for eqn, (kind, rule) in reversed(list(zip(open_.eqns, steps))):
             outs_risky = any(v in risky for v in eqn.outvars)

@@ -38,17 +38,25 @@ HIGHER_ORDER_RULES: dict[Any, Handler] = {}
 PULL_RULES: dict[Any, PullRule] = {}
 """Primitive -> pull rule (primitives without one pull nothing across their boundary)."""
 
+NARROW_BODIES: dict[Any, str] = {}
+"""Primitive -> the parameter holding a body whose invars are the operands, one to one,
+and whose handler lets half-precision operands in (the planner looks through it to see
+whether an operand reaches only half-precision consumers: ``relu``'s ``custom_jvp``)."""
+
 _fallback: list[Handler] = []
 
 
-def register_higher_order(prim: Any, *, pulls: PullRule | None = None) -> Callable[[Handler], Handler]:
-    """Register ``handler`` for ``prim`` (a no-op when this JAX has no such primitive)."""
+def register_higher_order(prim: Any, *, pulls: PullRule | None = None, body: str | None = None) -> Callable[[Handler], Handler]:
+    """Register ``handler`` for ``prim`` (a no-op when this JAX has no such primitive);
+    ``body``: see :data:`NARROW_BODIES`."""
 
     def register(handler: Handler) -> Handler:
         if prim is not None:
             HIGHER_ORDER_RULES[prim] = handler
             if pulls is not None:
                 PULL_RULES[prim] = pulls
+            if body is not None:
+                NARROW_BODIES[prim] = body
         return handler
 
     return register

@@ -130,3 +130,53 @@ def test_modes_compute_the_same_values(case, auto_is):
 def test_bad_remat_float32_is_rejected(bad):
     with pytest.raises(ValueError, match=r"remat_float32=.*True, False or 'auto'"):
         autocast.amp(softmax_layernorm, remat_float32=bad)
+
+
+def norm_relu(p, x):
+    """conv-like matmul -> batch norm (a float32 island) -> relu -> matmul, then
+    -> norm -> relu -> mean (a float32 consumer) -> head."""
+
+    def bn(h):
+        mu = h.mean(0, keepdims=True)
+        return (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(0, keepdims=True) + 1e-5)
+
+    h = jax.nn.relu(bn(x @ p["w1"]))  # rounded before relu: its consumer is a matmul
+    h = jax.nn.relu(bn(h @ p["w2"]))  # joins the island: its consumer, the mean, reads float32
+    return jnp.sum(h.mean(0) @ p["w3"])
+
+
+def norm_relu_params():
+    k = _keys(4)
+    p = {"w1": jax.random.normal(k[0], (16, 64)) / 4, "w2": jax.random.normal(k[1], (64, 64)) / 8,
+         "w3": jax.random.normal(k[2], (64, 3)) / 8}
+    return p, jax.random.normal(k[3], (256, 16))
+
+
+def _relu_operand_dtypes(f, p, x) -> list[str]:
+    closed = jax.make_jaxpr(f)(p, x)
+    return [str(e.invars[0].aval.dtype) for e, _ in walk(closed) if e.primitive.name == "custom_jvp_call"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_relu_between_a_norm_and_a_matmul_runs_in_half_and_keeps_no_float32_activation(dtype):
+    p, x = norm_relu_params()
+    f = autocast.amp(norm_relu, compute_dtype=dtype)
+    # the first relu is handed the norm's result rounded (max commutes with rounding: same
+    # values); the second reads float32 (its consumer does) inside the recomputed island
+    assert _relu_operand_dtypes(f, p, x) == [np.dtype(dtype).name, "float32"]
+    assert _float32_residual_bytes(f, p, x) == 0
+    assert _float32_residual_bytes(norm_relu, p, x) >= 2 * 256 * 64 * 4  # not vacuous: relu's zeros_like residuals
+    v, g = jax.jit(jax.value_and_grad(f))(p, x)
+    v32, g32 = jax.value_and_grad(norm_relu)(p, x)
+    np.testing.assert_allclose(v, v32, rtol=2e-2, atol=2e-2)
+    assert _tree_rel(g, g32) < 3e-2
+    # the rounding point moved, not the values: the same as rounding after the relu
+    def rounded_after(p, x):
+        def bn(h):
+            mu = h.mean(0, keepdims=True)
+            return (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(0, keepdims=True) + 1e-5)
+        h = (x.astype(dtype) @ p["w1"].astype(dtype)).astype(jnp.float32)
+        h = jax.nn.relu(bn(h)).astype(dtype)
+        h = (h @ p["w2"].astype(dtype)).astype(jnp.float32)
+        return jnp.sum((jax.nn.relu(bn(h)).mean(0)).astype(dtype) @ p["w3"].astype(dtype))
+    np.testing.assert_allclose(np.float32(f(p, x)), np.float32(rounded_after(p, x)), rtol=1e-2)

@@ -24,14 +24,6 @@ from helpers import walk
 
 FACTORIES = eqx_models.MODELS + flax_models.MODELS
 
-#: Models whose float32 residuals come from ``jax.nn.relu`` applied to a float32 value:
-#: a BatchNorm island hands its float32 result to ``relu`` (a ``custom_jvp``, which runs
-#: in the dtype its operand arrives in), whose JVP keeps a float32 ``zeros_like`` the size
-#: of the activation (``output of broadcast_in_dim``). Narrowing the island's result to
-#: the compute dtype before such a call (its consumer, a convolution, narrows it right
-#: after) would remove it; until then the census pins exactly these residuals.
-_NEEDS_CUSTOM_DERIV_FIX: list[str] = ["eqx_cnn_batchnorm", "linen_cnn_batchnorm", "nnx_cnn_split_merge"]
-
 #: Models whose ``lax.scan`` carries a float32 activation: the residual stream of a
 #: ``nn.scan`` over ``nn.remat`` blocks starts as a float32 embedding, loop carries keep the
 #: dtype their initial value arrives in, and the checkpointed block saves its input (one
@@ -39,8 +31,7 @@ _NEEDS_CUSTOM_DERIV_FIX: list[str] = ["eqx_cnn_batchnorm", "linen_cnn_batchnorm"
 #: carry is the scan handler's business (``_higher_order.py``).
 _NEEDS_SCAN_CARRY_FIX: list[str] = ["linen_transformer"]
 
-_KNOWN = {name: "output of broadcast_in_dim" for name in _NEEDS_CUSTOM_DERIV_FIX}
-_KNOWN.update({name: "output of scan" for name in _NEEDS_SCAN_CARRY_FIX})
+_KNOWN = {name: "output of scan" for name in _NEEDS_SCAN_CARRY_FIX}
 
 
 def _residuals(factory, dtype):
