@@ -19,7 +19,9 @@ trip through float32 at each boundary would cost memory and converts:
   residuals and cotangents as they arrive, and adapted at its boundary if it cannot take
   them. So ``relu(x16)`` stays half and saves half (or boolean) residuals.
 - ``scan`` / ``while``: constants and scanned-over inputs are specialised; loop carries keep
-  the dtype their initial value arrives in; stacked outputs are specialised.
+  the dtype their initial value arrives in, except a float32 one made from parameters or
+  inputs that the body turns half (it starts half, as in the unrolled loop; see
+  ``_narrowed_carries``); stacked outputs are specialised.
 - ``cond``: operands are specialised; an output whose dtype differs between branches is
   cast back to its traced dtype.
 - ``shard_map``: the body is re-staged through ``jax.shard_map`` so collectives see their
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, _dtypes, _plan
-from ._interpreter import Context, eval_jaxpr, original_dtypes, transform_jaxpr
+from ._interpreter import LITERAL, Context, eval_jaxpr, original_dtypes, transform_jaxpr
 from ._registry import Handler, jaxpr_params, register_fallback, register_higher_order
 
 
@@ -236,7 +238,7 @@ def _custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tup
     call = jax.custom_vjp(body)
     call.defvjp(fwd, bwd_rule, symbolic_zeros=True)
     return list(call(*invals)), out_free
-# --- loops: carries keep the dtype of their initial value ---------------------------------
+# --- loops: carries keep the dtype of their initial value (or the unrolled loop's) ----
 
 
 def _scan_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
@@ -248,12 +250,37 @@ def _scan_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) ->
     return flags
 
 
+def _narrowed_carries(ctx: Context, body: Any, in_dtypes: list, in_free: Sequence, scopes: tuple, n_consts: int, n_carry: int, out32: Sequence[bool]) -> list[int]:
+    """Float32 initial carries made from parameters or inputs (free, not from literals
+    alone) that the body, as in its first unrolled iteration, turns into the compute dtype:
+    an embedding entering a ``scan`` over layers adds half-precision block outputs to
+    itself. They start in the compute dtype, as the unrolled loop would have them. Carries
+    initialised from constants (``jnp.zeros``: a running sum, an LSTM cell state) are
+    accumulators and keep float32."""
+    carries = range(n_consts, n_consts + n_carry)
+    cands = [i for i in carries if in_dtypes[i] == _dtypes.FLOAT32 and in_free[i] and in_free[i] != LITERAL]
+    if not cands or ctx.compute_dtype == _dtypes.FLOAT32:
+        return []
+    free = [bool(f) if i in cands or i not in carries else False for i, f in enumerate(in_free)]
+    out_dtypes = [None if n_consts + k in cands else in_dtypes[n_consts + k] for k in range(n_carry)]
+    _, body_outs = _boundary_dtypes(body)
+    out_dtypes += [None] * (len(body_outs) - n_carry)
+    body_out32 = [*(d == _dtypes.FLOAT32 for d in out_dtypes[:n_carry]), *out32[n_carry:]]
+    trial, _, _ = transform_jaxpr(ctx, body, in_dtypes, free, scopes, out_dtypes=out_dtypes, out_float32=body_out32)
+    _, trial_outs = _boundary_dtypes(trial)
+    return [i for i in cands if trial_outs[i - n_consts] == ctx.compute_dtype]
+
+
 @register_higher_order(_compat.scan_p, pulls=_scan_pulls)
 def _scan(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     params = dict(eqn.params)
     n_consts, n_carry = _compat.scan_counts(params)
     body = params["jaxpr"]
     in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
+    invals = list(invals)
+    for i in _narrowed_carries(ctx, body, in_dtypes, in_free, scopes, n_consts, n_carry, out32):
+        invals[i] = _dtypes.cast(invals[i], ctx.compute_dtype)
+        in_dtypes[i] = ctx.compute_dtype
     free = list(in_free)
     free[n_consts : n_consts + n_carry] = [False] * n_carry
     _, body_outs = _boundary_dtypes(body)
@@ -270,6 +297,11 @@ def _while(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, o
     params = dict(eqn.params)
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
     in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
+    invals = list(invals)
+    n_carry = len(invals) - nc - nb
+    for i in _narrowed_carries(ctx, params["body_jaxpr"], in_dtypes[nc:], in_free[nc:], scopes, nb, n_carry, [False] * n_carry):
+        invals[nc + i] = _dtypes.cast(invals[nc + i], ctx.compute_dtype)
+        in_dtypes[nc + i] = ctx.compute_dtype
     cond_consts, body_consts, carry = in_dtypes[:nc], in_dtypes[nc : nc + nb], in_dtypes[nc + nb :]
     cfree, bfree = in_free[:nc], in_free[nc : nc + nb]
     no = [False] * len(carry)

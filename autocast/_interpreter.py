@@ -16,14 +16,15 @@ in half precision until an operation whose rule wants float32.
 Sharp edges:
 
 - A value is *free* if it is a function input, a constant or a literal, or was only
-  reshaped, broadcast, sliced or converted from free values. Free operands adapt to
+  reshaped, broadcast, sliced, converted, added or subtracted from free values. Free operands adapt to
   computed ones when an operation harmonises dtypes (``use_input_precision``): this keeps a
   float32 bias from dragging a half-precision activation to float32.
 - Custom derivatives (``custom_jvp`` / ``custom_vjp``): the body and the rules run in the
   dtypes their operands arrive in, under the same policy; the user's ``bwd`` is called
   with the residuals and cotangents as they arrive (adapted at its boundary if it cannot
   take them). See :mod:`autocast._higher_order`.
-- Loop carries keep the dtype the initial value arrives in; branch outputs that differ
+- Loop carries keep the dtype the initial value arrives in (a float32 one made from
+  parameters or inputs that the body turns half starts half, as unrolled); branch outputs that differ
   between ``cond`` branches are cast back to their traced dtype.
 - An elementwise operation whose results are only consumed in float32 runs in float32
   (``_plan.py``), so ``x - max(x)`` before an ``exp`` is not rounded to half first. This
@@ -64,7 +65,14 @@ _STRUCTURAL = frozenset(
         "tile", "broadcast_to", "iota", "stop_gradient",
     }
 )
+# ... and sums of free values: ``embedding + position`` is still made from parameters only,
+# so a half-precision activation added to it keeps it half (as a bias add would).
+_SUMS = frozenset({"add", "sub", "neg", "add_any"})
 _SCATTERS = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"})
+#: The free flag of a value made only from literals (``jnp.zeros``, ``jnp.full``): free,
+#: and known to be a constant (truthy wherever a free flag is tested).
+LITERAL = "literal"
+
 # Elementwise primitives that broadcast size-1 (and rank-0) operands implicitly. Autodiff
 # transposes that broadcast into a ``reduce_sum`` in the dtype of the operand as bound.
 _IMPLICIT_BROADCAST = frozenset(
@@ -120,7 +128,7 @@ def eval_jaxpr(
 
     def read(v):
         if isinstance(v, _compat.Literal):
-            return v.val, True
+            return v.val, LITERAL
         return env[v]
 
     free_it = iter(free)
@@ -286,7 +294,7 @@ def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, 
         local = {v: (x, f) for v, x, (_, f) in zip(inputs, args, in_vals)}
 
         def local_read(v):
-            return (v.val, True) if isinstance(v, _compat.Literal) else local[v]
+            return (v.val, LITERAL) if isinstance(v, _compat.Literal) else local[v]
 
         with _dtypes.memoised_casts():
             for eqn, step in zip(eqns, steps):
@@ -379,9 +387,11 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
     if prim.name in _SCATTERS:
         params = _retype_combiner(ctx, params, new_invals[0])
     outs = _bind_broadcast_in_float32(eqn, prim, invals, new_invals, params)
-    structural = prim.name in _STRUCTURAL
-    floats_free = all(f for f, d in zip(in_free, orig) if _dtypes.is_castable(d))
-    return outs, [structural and floats_free] * len(outs), new_invals
+    floats = [f for f, d in zip(in_free, orig) if _dtypes.is_castable(d)]
+    out_free: Any = False
+    if (prim.name in _STRUCTURAL or prim.name in _SUMS) and all(floats):
+        out_free = LITERAL if floats and all(f == LITERAL for f in floats) else True
+    return outs, [out_free] * len(outs), new_invals
 
 
 def _broadcast_candidates(eqn: Any, prim: Any, invals: Sequence[Any]) -> list[int]:
