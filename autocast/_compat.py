@@ -159,9 +159,16 @@ def constvars_to_invars(jaxpr: Any) -> Any:
     return _pe.convert_constvars_jaxpr(jaxpr)
 
 
-def checkpoint(fun: Callable) -> Callable:
-    """``jax.checkpoint`` saving nothing: everything inside is recomputed in the backward pass."""
-    return jax.checkpoint(fun, prevent_cse=True, policy=None)
+def checkpoint(fun: Callable, save: frozenset[str] = frozenset()) -> Callable:
+    """``jax.checkpoint`` saving only the outputs of the primitives named in ``save``:
+    everything else inside is recomputed in the backward pass."""
+    if not save:
+        return jax.checkpoint(fun, prevent_cse=True, policy=None)
+
+    def policy(prim: Any, *_: Any, **__: Any) -> bool:
+        return prim.name in save
+
+    return jax.checkpoint(fun, prevent_cse=True, policy=policy)
 
 
 def jaxpr_as_fun(closed: Any) -> Callable[..., list[Any]]:

@@ -167,7 +167,9 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], narrow:
                 for k in range(i, j):
                     _eval_eqn(ctx, eqns[k], plan[k], env, read, scopes, marker)
             else:
-                _eval_island(ctx, eqns[i:j], plan[i:j], env, read, scopes, last_use, j)
+                k = _absorbed_end(eqns, plan, island, j)
+                _eval_island(ctx, eqns[i:k], plan[i:k], env, read, scopes, last_use, k, j - i)
+                j = k
         if narrow:
             _narrow(ctx, eqns[i:j], narrow, env)
         i = j
@@ -278,10 +280,35 @@ def _worth_recomputing(eqns: Sequence[Any], read) -> bool:
     return kept_if_saved >= _RECOMPUTE_RATIO * kept_if_recomputed
 
 
-def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, read, scopes, last_use: dict, end: int) -> None:
-    """Evaluate a run of float32 equations inside ``jax.checkpoint`` (save nothing): the
-    backward pass recomputes them from the island's inputs (half-precision activations,
-    parameters) instead of keeping their float32 results."""
+def _absorbed_end(eqns: Sequence[Any], plan: list, island: list[bool], j: int) -> int:
+    """End of a recomputed island extended over the matmuls that read it.
+
+    The matmul (convolution) after a layer norm, a softmax or GELU needs its half-precision
+    operand for the backward pass (the weight gradient): saved, it is an activation the size
+    of the island's output. Evaluated in the island's ``jax.checkpoint``, with a policy that
+    saves only the matmul outputs, that operand is recomputed with the island, which the
+    backward pass recomputes anyway. The island extends over the compute-rule equations
+    that follow it and the linear ones between them (reshapes, bias adds, weight casts),
+    up to the last compute-rule one; nothing non-linear is recomputed twice.
+    """
+    k, last = j, j
+    while k < len(eqns) and not island[k] and not eqns[k].effects and plan[k][0] == _plan.RULE:
+        if plan[k][1] is _rules.use_compute_precision:
+            last = k + 1
+        elif not _plan.is_linear(eqns[k]):
+            break
+        k += 1
+    return last
+
+
+def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, read, scopes, last_use: dict, end: int, n_island: int | None = None) -> None:
+    """Evaluate a run of float32 equations inside ``jax.checkpoint``: the backward pass
+    recomputes them from the island's inputs (half-precision activations, parameters)
+    instead of keeping their float32 results. Equations after the first ``n_island`` are
+    the matmuls that read the island (see :func:`_absorbed_end`): only their outputs are
+    saved."""
+    n_island = len(eqns) if n_island is None else n_island
+    save = frozenset(e.primitive.name for e, (kind, rule) in zip(eqns[n_island:], steps[n_island:]) if rule is _rules.use_compute_precision)
     inputs = _island_inputs(eqns)
     outputs = [v for eqn in eqns for v in eqn.outvars if not isinstance(v, _compat.DropVar) and last_use.get(v, -1) >= end]
     if not outputs:
@@ -297,12 +324,12 @@ def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, 
             return (v.val, LITERAL) if isinstance(v, _compat.Literal) else local[v]
 
         with _dtypes.memoised_casts():
-            for eqn, step in zip(eqns, steps):
-                _eval_eqn(ctx, eqn, step, local, local_read, scopes, marker)
+            for n, (eqn, step) in enumerate(zip(eqns, steps)):
+                _eval_eqn(ctx, eqn, step, local, local_read, scopes, marker if n < n_island else None)
         out_free[:] = [local[v][1] for v in outputs]
         return [local[v][0] for v in outputs]
 
-    outs = _compat.checkpoint(island)(*[x for x, _ in in_vals])
+    outs = _compat.checkpoint(island, save)(*[x for x, _ in in_vals])
     for v, x, f in zip(outputs, outs, out_free):
         env[v] = (x, f)
 

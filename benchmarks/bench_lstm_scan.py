@@ -4,7 +4,10 @@ autocast bfloat16 with ``remat_float32`` = ``"auto"`` / ``True`` / ``False``.
 The LSTM cell's float32 island (the cell update ``f * c + i * g`` and ``o * tanh(c)``,
 float32 because the carry ``c`` is float32) has a float32 input as large as its outputs:
 recomputing it in the backward pass saves little memory and, in an elementwise-bound
-recurrent step, costs a second evaluation of the cell. Run::
+recurrent step, costs a second evaluation of the cell. The last row is a reference: the
+same step with the two matmuls cast to bfloat16 by hand and nothing else changed, i.e.
+what bfloat16 matmuls cost on this backend (XLA-CPU has no native bfloat16 GEMM).
+Run::
 
     python -m benchmarks.bench_lstm_scan
 
@@ -48,6 +51,31 @@ def loss_fn(model, xs, ys):
     return jnp.mean((jax.vmap(model)(xs) - ys) ** 2)
 
 
+def _cell_bf16_matmuls(cell: eqx.nn.LSTMCell, x, state):
+    """``eqx.nn.LSTMCell`` with only its two matmuls in bfloat16 (operands cast by hand,
+    results back to float32), everything else in float32: the least a bfloat16 step can
+    cost on this backend, whoever inserts the casts."""
+    h, c = state
+    bf16 = jnp.bfloat16
+    lin = ((cell.weight_ih.astype(bf16) @ x.astype(bf16)).astype(jnp.float32)
+           + (cell.weight_hh.astype(bf16) @ h.astype(bf16)).astype(jnp.float32) + cell.bias)
+    i, f, g, o = jnp.split(lin, 4)
+    c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+    return jax.nn.sigmoid(o) * jnp.tanh(c), c
+
+
+def hand_cast_loss_fn(model, xs, ys):
+    def one(xs):
+        def body(carry, x):
+            return _cell_bf16_matmuls(model.cell, x, carry), None
+
+        init = (jnp.zeros(model.cell.hidden_size), jnp.zeros(model.cell.hidden_size))
+        (h, _), _ = jax.lax.scan(body, init, xs)
+        return model.out(h)[0]
+
+    return jnp.mean((jax.vmap(one)(xs) - ys) ** 2)
+
+
 def _step(loss, opt):
     @jax.jit
     def step(model, opt_state, xs, ys):
@@ -78,6 +106,7 @@ def main() -> None:
         "autocast-bf16 (remat auto)": autocast.amp(loss_fn, compute_dtype=bf16, remat_float32="auto"),
         "autocast-bf16 (remat True)": autocast.amp(loss_fn, compute_dtype=bf16, remat_float32=True),
         "autocast-bf16 (remat False)": autocast.amp(loss_fn, compute_dtype=bf16, remat_float32=False),
+        "reference: bf16 matmuls cast by hand": hand_cast_loss_fn,
     }
     runners, residuals, losses_out = {}, {}, {}
     for name, loss in losses.items():

@@ -180,3 +180,21 @@ def test_relu_between_a_norm_and_a_matmul_runs_in_half_and_keeps_no_float32_acti
         h = (h @ p["w2"].astype(dtype)).astype(jnp.float32)
         return jnp.sum((jax.nn.relu(bn(h)).mean(0)).astype(dtype) @ p["w3"].astype(dtype))
     np.testing.assert_allclose(np.float32(f(p, x)), np.float32(rounded_after(p, x)), rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_matmul_after_a_recomputed_island_does_not_save_its_operand(dtype):
+    """The matmul that reads a softmax or a layer norm evaluates inside the island's
+    checkpoint, which saves only matmul outputs: its half-precision operand (the island's
+    result) is recomputed with the island instead of being kept. What is kept of the
+    ``(256, 64)`` activations: the two matmul outputs the islands are recomputed from."""
+    p, x = softmax_params()
+    f = autocast.amp(softmax_layernorm, compute_dtype=dtype)
+    kept = [src.split(" from ")[0] for a, src in _compat.saved_residuals(f, p, x) if a.shape == (256, 64)]
+    assert kept == ["output of dot_general"] * 2, kept
+    off = autocast.amp(softmax_layernorm, compute_dtype=dtype, remat_float32=False)
+    assert len([a for a, _ in _compat.saved_residuals(off, p, x) if a.shape == (256, 64)]) > 2
+    v, g = jax.jit(jax.value_and_grad(f))(p, x)
+    v32, g32 = jax.value_and_grad(softmax_layernorm)(p, x)
+    np.testing.assert_allclose(v, v32, rtol=5e-2, atol=1e-2)
+    assert _tree_rel(g, g32) < 5e-2
