@@ -86,6 +86,25 @@ def _step(loss, opt):
     return step
 
 
+def _matmul_alone(batch: int, hidden: int, seq: int, repeats: int) -> dict[str, float]:
+    """Median time of the LSTM's recurrent matmul shape ``(batch, hidden) @ (hidden,
+    4 * hidden)`` under a ``seq``-step ``scan``: float32 against bfloat16 operands (what
+    bfloat16 matmuls cost on this backend by themselves)."""
+    a = jax.random.normal(jax.random.key(3), (batch, hidden))
+    w = jax.random.normal(jax.random.key(4), (hidden, 4 * hidden))
+
+    def loop(dtype):
+        def body(c, _):
+            out = (c.astype(dtype) @ w.astype(dtype)).astype(jnp.float32)
+            return c + 1e-3 * out[:, :hidden], None
+
+        return jax.jit(lambda a: jax.lax.scan(body, a, None, length=seq)[0])
+
+    fns = {"float32": loop(jnp.float32), "bfloat16": loop(jnp.bfloat16)}
+    times = _common.interleaved_medians({k: (lambda f=f: f(a)) for k, f in fns.items()}, warmup=2, repeats=2 * repeats)
+    return {k: v["median"] for k, v in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -115,6 +134,7 @@ def main() -> None:
         runners[name] = lambda step=step: step(model, opt_state, xs, ys)
         residuals[name] = _common.residual_bytes(loss, model, xs, ys)
     times = _common.interleaved_medians(runners, warmup=2, repeats=args.repeats)
+    matmul = _matmul_alone(args.batch, args.hidden, args.seq, args.repeats)
     base = times["fp32"]["median"]
     meta = _common.metadata()
     command = "python -m benchmarks.bench_lstm_scan " + " ".join(sys.argv[1:])
@@ -129,7 +149,7 @@ def main() -> None:
         }
         for name in losses
     }
-    _common.write_json(_common.RESULTS_DIR / f"{args.out}.json", {"command": command, "args": vars(args), "metadata": meta, "results": rows})
+    _common.write_json(_common.RESULTS_DIR / f"{args.out}.json", {"command": command, "args": vars(args), "metadata": meta, "results": rows, "matmul_alone_s": matmul})
     lines = [
         f"# LSTM under lax.scan: step time, float32 vs autocast bfloat16\n",
         f"Command: `{command}`\n",
@@ -146,6 +166,13 @@ def main() -> None:
             f"| {name} | {r['step_median_s'] * 1e3:.2f} ms | {r['step_vs_fp32']:.2f}x | "
             f"{_common.fmt_bytes(r['activation_bytes'])} | {by} | {r['loss']:.5f} |"
         )
+    lines += [
+        "",
+        f"The recurrent matmul alone ({args.batch}x{args.hidden} @ {args.hidden}x{4 * args.hidden}, "
+        f"{args.seq} steps under `scan`, same run): float32 {matmul['float32'] * 1e3:.3f} ms, "
+        f"bfloat16 operands {matmul['bfloat16'] * 1e3:.3f} ms "
+        f"({matmul['bfloat16'] / matmul['float32']:.2f}x).",
+    ]
     text = "\n".join(lines) + "\n"
     (_common.RESULTS_DIR / f"{args.out}.md").write_text(text)
     print(text)
