@@ -14,7 +14,7 @@ the per-seed differences to fp32 (in points), a one-line verdict on the target "
 bf16 mean accuracy within one point of fp32", and the final train loss, median step time,
 activation memory, skipped steps and final loss scale. It writes every seed's numbers to
 ``benchmarks/results/demo.{md,json}`` and the loss curves and loss scale of the first seed
-to ``demo.png``. The defaults (three seeds, 1,000 steps per run) took 13 minutes on a
+to ``demo.png``. The defaults (three seeds, 1,000 steps per run) took 9 to 13 minutes on a
 busy 2-core CPU; the code is unchanged on a GPU. From the repo root::
 
     pip install -e ".[demo]"
