@@ -35,7 +35,12 @@ Sharp edges:
 - With ``remat_float32`` each contiguous run of float32 equations is evaluated inside its
   own ``jax.checkpoint`` (an island), so their float32 results are recomputed in the
   backward pass rather than saved; with ``"auto"`` only where that cuts what the island
-  keeps by a large factor (``_worth_recomputing``).
+  keeps by a large factor (``_worth_recomputing``). A recomputed island's checkpoint also
+  holds the matmuls that read it and saves only their outputs (``_absorbed_end``), so their
+  half-precision operand is recomputed, not kept.
+- A float32 result that only half-precision consumers read, through operations that
+  commute with rounding (``relu``, data movement), is rounded where it is made
+  (``_narrow``; the planner's ``narrow`` set).
 - An operand narrowed from float32 that an elementwise operation broadcasts (a bias) is
   broadcast in float32 first, so its gradient (the transpose of the broadcast) is summed in
   float32 (``_bind_broadcast_in_float32``). Islands are local: an enclosing user checkpoint keeps
