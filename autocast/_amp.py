@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -20,6 +20,20 @@ _CACHE_SIZE = 32
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) or _compat.is_tracer(x)
+
+
+def _partition(tree: Any) -> tuple[Any, tuple[bool, ...], list[Any], tuple[Any, ...]]:
+    """``tree``'s treedef, which leaves are arrays (traced), the array leaves and the other
+    leaves (static, as in ``equinox.filter_jit``)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    mask = tuple(_is_array(x) for x in leaves)
+    return treedef, mask, [x for x, m in zip(leaves, mask) if m], tuple(x for x, m in zip(leaves, mask) if not m)
+
+
+def _combine(treedef: Any, mask: Sequence[bool], dynamic: Sequence[Any], static: Sequence[Any]) -> Any:
+    """The inverse of :func:`_partition`."""
+    it_dyn, it_static = iter(dynamic), iter(static)
+    return jax.tree_util.tree_unflatten(treedef, [next(it_dyn) if m else next(it_static) for m in mask])
 
 
 class _Traced:
@@ -54,10 +68,7 @@ class _AmpFunction:
         return functools.partial(self, instance)
 
     def __call__(self, *args, **kwargs):
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic_mask = tuple(_is_array(x) for x in leaves)
-        dynamic = [x for x, d in zip(leaves, dynamic_mask) if d]
-        static = tuple(x for x, d in zip(leaves, dynamic_mask) if not d)
+        treedef, dynamic_mask, dynamic, static = _partition((args, kwargs))
         scopes = _compat.scope_names(_compat.current_name_stack())
         avals = tuple(_compat.typeof(x) for x in dynamic)
         key = (treedef, dynamic_mask, avals, static, scopes)
@@ -81,19 +92,14 @@ class _AmpFunction:
             if traced.jitted is None:
                 traced.jitted = jax.jit(_compat.jaxpr_as_fun(traced.transformed))
             out_dynamic = traced.jitted(*dynamic)
-        out_dynamic = iter(out_dynamic)
-        out_static = iter(traced.out_static)
-        out_leaves = [next(out_dynamic) if d else next(out_static) for d in traced.out_dynamic_mask]
-        return jax.tree_util.tree_unflatten(traced.out_tree, out_leaves)
+        return _combine(traced.out_tree, traced.out_dynamic_mask, out_dynamic, traced.out_static)
 
     def _trace(self, treedef, dynamic_mask, static, dynamic, scopes) -> _Traced:
         self.trace_count += 1
         out_info = {}
 
         def flat_fn(*dyn):
-            it_dyn, it_static = iter(dyn), iter(static)
-            leaves = [next(it_dyn) if d else next(it_static) for d in dynamic_mask]
-            args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+            args, kwargs = _combine(treedef, dynamic_mask, dyn, static)
             out = self.fn(*args, **kwargs)
             out_leaves, out_tree = jax.tree_util.tree_flatten(out)
             mask = tuple(_is_array(x) for x in out_leaves)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, _dtypes, _plan, _rules, _walk
-from ._amp import _is_array, _transform, check_remat_float32
+from ._amp import _combine, _is_array, _partition, _transform, check_remat_float32
 from ._interpreter import Context, _rule_name
 from ._policy import default_amp_policy, validate_policy
 
@@ -335,14 +335,10 @@ def _by_dtype(d: dict[str, int], fmt: Callable[[int], str]) -> str:
 
 def _flat(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, list[Any]]:
     """``fn`` as a function of its arguments' array leaves (other leaves are static)."""
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    mask = [_is_array(x) for x in leaves]
-    dynamic = [x for x, m in zip(leaves, mask) if m]
-    static = [x for x, m in zip(leaves, mask) if not m]
+    treedef, mask, dynamic, static = _partition((args, kwargs))
 
     def flat_fn(*dyn):
-        it_dyn, it_static = iter(dyn), iter(static)
-        a, kw = jax.tree_util.tree_unflatten(treedef, [next(it_dyn) if m else next(it_static) for m in mask])
+        a, kw = _combine(treedef, mask, dyn, static)
         return [x for x in jax.tree_util.tree_leaves(fn(*a, **kw)) if _is_array(x)]
 
     return flat_fn, dynamic
