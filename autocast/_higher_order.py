@@ -87,6 +87,9 @@ def _generic(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple,
 def _call_like(param: str) -> Handler:
     def handler(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
         params = dict(eqn.params)
+        if params.get("policy") is not None:
+            # a checkpoint that may save matmul results: keep them in half precision
+            ctx = ctx.without_widening()
         in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
         new, extra, out_free = transform_jaxpr(ctx, params[param], in_dtypes, in_free, scopes, out_float32=out32)
         params[param] = new

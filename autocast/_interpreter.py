@@ -11,7 +11,9 @@ context (source location, name stack, abstract mesh). Primitives that hold jaxpr
 transforms their bodies with the same policy.
 
 Values are cast where a consumer needs it, never after a producer: a matmul result stays
-in half precision until an operation whose rule wants float32.
+in half precision until an operation whose rule wants float32. A matmul whose result only
+float32 operations read (and no recomputed island) stores a float32 result instead, with a
+half-precision derivative (:mod:`autocast._wide`; the planner's ``wide`` set).
 
 Sharp edges:
 
@@ -50,6 +52,7 @@ Sharp edges:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -57,7 +60,7 @@ from typing import Any
 import numpy as np
 from jax import lax
 
-from . import _compat, _dtypes, _plan, _rules
+from . import _compat, _dtypes, _plan, _rules, _wide
 from ._policy import Lookup
 
 # Primitives whose output is only a rearrangement (or a conversion) of their float
@@ -96,6 +99,9 @@ class Context:
         # that the cost model says pay off (see ``_worth_recomputing``).
         self.remat = remat is not False and compute_dtype != _dtypes.FLOAT32
         self.remat_auto = remat == "auto"
+        # whether matmuls read only in float32 may store float32 results (``_wide``): not
+        # inside a user checkpoint whose policy may save matmul results
+        self.widen = True
         self.lookup = Lookup(policy)
         self._jaxpr_cache: dict[Any, Any] = {}
         self._keep_alive: list[Any] = []
@@ -106,9 +112,15 @@ class Context:
         # ``(marker, recomputed)`` shared by the equations of one float32 island).
         self.observer: Any = None
 
+    def without_widening(self) -> "Context":
+        """This context (same caches), with ``widen`` off."""
+        other = copy.copy(self)
+        other.widen = False
+        return other
+
     def cached(self, key: tuple, jaxpr_like: Any, build):
         """Memoise a sub-jaxpr rewrite on (jaxpr object, dtypes, scopes, ...)."""
-        full_key = (id(jaxpr_like), *key)
+        full_key = (id(jaxpr_like), self.widen, *key)
         if full_key not in self._jaxpr_cache:
             self._keep_alive.append(jaxpr_like)  # keeps id() unique while cached
             self._jaxpr_cache[full_key] = build()
@@ -140,16 +152,17 @@ def eval_jaxpr(
     for var, val, is_const in _compat.bind_inputs(jaxpr, consts, args):
         env[var] = (val, True if is_const else next(free_it))
 
-    plan, island, narrow = _plan.plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars))
+    plan, island, narrow, wide = _plan.plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars))
     with _dtypes.memoised_casts():
-        _eval_eqns(ctx, jaxpr, plan, island, narrow, env, read, scopes)
+        _eval_eqns(ctx, jaxpr, plan, island, narrow, wide if ctx.widen else set(), env, read, scopes)
     results = [read(v) for v in jaxpr.outvars]
     return [x for x, _ in results], [f for _, f in results]
 
 
-def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], narrow: set, env: dict, read, scopes: tuple[str, ...]) -> None:
+def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], narrow: set, wide: set, env: dict, read, scopes: tuple[str, ...]) -> None:
     eqns = jaxpr.eqns
     last_use: dict[Any, int] = {}
+    feeds_recomputed = _recomputed_consumers(ctx, eqns, plan, island, wide, env) if wide else None
     if any(island):
         for i, eqn in enumerate(eqns):
             for v in eqn.invars:
@@ -161,12 +174,13 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], narrow:
     i = 0
     while i < len(eqns):
         if not island[i]:
-            _eval_eqn(ctx, eqns[i], plan[i], env, read, scopes)
+            widen = i in wide and not feeds_recomputed(i)
+            _eval_eqn(ctx, eqns[i], plan[i], env, read, scopes, widen=widen)
             j = i + 1
         else:
             j = _island_end(eqns, plan, island, i)
             if all(_plan.is_linear(e) for e in eqns[i:j]) or (
-                ctx.remat_auto and not _worth_recomputing(eqns[i:j], read)
+                ctx.remat_auto and not _worth_recomputing(eqns[i:j], lambda v: _nbytes(read(v)[0]))
             ):
                 marker = (object(), False)
                 for k in range(i, j):
@@ -192,6 +206,50 @@ def _narrow(ctx: Context, eqns: Sequence[Any], narrow: set, env: dict) -> None:
                         env[v] = (_dtypes.cast(x, ctx.compute_dtype), free)
 
 
+def _recomputed_consumers(ctx: Context, eqns: Sequence[Any], plan: list, island: list[bool], wide: set, env: dict):
+    """For the matmuls in ``wide``: a test of whether one of them feeds an island that will
+    be recomputed. Such a matmul keeps its half-precision result: the island's checkpoint
+    saves its inputs, and a float32 one would double them. The decision the island takes
+    when it is reached is estimated here with the values at hand, counting the results of
+    matmuls not evaluated yet in the compute dtype."""
+    if not ctx.remat:
+        return lambda i: False
+    segment: dict[int, tuple[int, int]] = {}  # island equation -> its island's (start, end)
+    i = 0
+    while i < len(eqns):
+        if island[i]:
+            j = _island_end(eqns, plan, island, i)
+            segment.update((k, (i, j)) for k in range(i, j))
+            i = j
+        else:
+            i += 1
+    consumers: dict[Any, set[int]] = {}
+    made_by_matmul: set = set()
+    for k, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                consumers.setdefault(v, set()).add(k)
+        if plan[k] == (_plan.RULE, _rules.use_compute_precision):
+            made_by_matmul.update(eqn.outvars)
+
+    def nbytes(v):
+        if v in env:
+            return _nbytes(env[v][0])
+        dtype = ctx.compute_dtype if v in made_by_matmul else v.aval.dtype
+        return v.aval.size * np.dtype(dtype).itemsize
+
+    def recomputed(start: int, end: int) -> bool:
+        if all(_plan.is_linear(e) for e in eqns[start:end]):
+            return False
+        return not ctx.remat_auto or _worth_recomputing(eqns[start:end], nbytes)
+
+    def feeds(i: int) -> bool:
+        starts = {segment[k] for v in eqns[i].outvars for k in consumers.get(v, ()) if k in segment}
+        return any(recomputed(*se) for se in starts)
+
+    return feeds
+
+
 def _island_end(eqns: Sequence[Any], plan: list, island: list[bool], i: int) -> int:
     """End of the island starting at ``i``: the run of float32 equations, continued over
     equations without float results (integer index arithmetic between a norm's statistics
@@ -213,7 +271,7 @@ def _bridges(eqn: Any, step: tuple[str, Any]) -> bool:
     return step[0] == _plan.RULE and not eqn.effects and not any(_dtypes.is_castable(v.aval.dtype) for v in eqn.outvars)
 
 
-def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, scopes: tuple[str, ...], island: Any = None) -> None:
+def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, scopes: tuple[str, ...], island: Any = None, widen: bool = False) -> None:
     kind, rule = step
     read_in = [read(v) for v in eqn.invars]
     invals = [x for x, _ in read_in]
@@ -233,7 +291,7 @@ def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, sc
             invals = [_dtypes.cast(x, _dtypes.FLOAT32) if p and _dtypes.is_castable(v.aval.dtype) else x for x, p, v in zip(invals, pulls, eqn.invars)]
             outs, out_free = handler(ctx, eqn, invals, in_free, eqn_scopes, out32)
         else:
-            outs, out_free, bound = _apply_rule(ctx, eqn, rule, invals, in_free)
+            outs, out_free, bound = _apply_rule(ctx, eqn, rule, invals, in_free, widen)
     if ctx.observer is not None:
         ctx.observer.exit(eqn, kind, rule, eqn_scopes, invals, bound, outs, island)
     for var, val, f in zip(eqn.outvars, outs, out_free):
@@ -260,7 +318,7 @@ def _nbytes(x: Any) -> int:
 _RECOMPUTE_RATIO = 1.75
 
 
-def _worth_recomputing(eqns: Sequence[Any], read) -> bool:
+def _worth_recomputing(eqns: Sequence[Any], nbytes) -> bool:
     """The island cost model of ``remat_float32="auto"``: recompute an island only if that
     cuts the memory it keeps for the backward pass by a large factor (``_RECOMPUTE_RATIO``).
 
@@ -273,7 +331,7 @@ def _worth_recomputing(eqns: Sequence[Any], read) -> bool:
     recomputation would cost a second evaluation for a small saving.
     """
     kept_if_recomputed = sum(
-        _nbytes(read(v)[0]) for v in _island_inputs(eqns) if _dtypes.is_castable(v.aval.dtype)
+        nbytes(v) for v in _island_inputs(eqns) if _dtypes.is_castable(v.aval.dtype)
     )  # integer and boolean inputs (labels, masks) are small or kept by their users anyway
     kept_if_saved = sum(
         v.aval.size * _dtypes.FLOAT32.itemsize
@@ -404,7 +462,7 @@ def _rule_name(rule: Any) -> str:
     return getattr(rule, "__qualname__", None) or getattr(rule, "__name__", None) or repr(rule)
 
 
-def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: list[bool]):
+def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: list[bool], widen: bool = False):
     prim = eqn.primitive
     orig = original_dtypes(eqn)
     token = _rules._free_mask.set(in_free)
@@ -418,7 +476,10 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
     new_invals, params = _check_rule_result(result, prim, rule, invals, orig)
     if prim.name in _SCATTERS:
         params = _retype_combiner(ctx, params, new_invals[0])
-    outs = _bind_broadcast_in_float32(eqn, prim, invals, new_invals, params)
+    if widen and _wide.applies(prim, new_invals, params):
+        outs = _wide.bind(prim, new_invals, params)
+    else:
+        outs = _bind_broadcast_in_float32(eqn, prim, invals, new_invals, params)
     floats = [f for f, d in zip(in_free, orig) if _dtypes.is_castable(d)]
     out_free: Any = False
     if (prim.name in _STRUCTURAL or prim.name in _SUMS) and all(floats):

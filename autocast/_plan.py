@@ -5,9 +5,9 @@ equations are rematerialisation islands."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-from . import _compat, _dtypes, _registry, _rules
+from . import _compat, _dtypes, _registry, _rules, _wide
 from ._policy import AMP_STOP
 
 # Primitives whose JVP needs none of their operands (linear in every float operand):
@@ -36,7 +36,14 @@ COMMUTES_WITH_ROUNDING = frozenset(
 )
 
 
-def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> tuple[list[tuple[str, Any]], list[bool], set]:
+class Plan(NamedTuple):
+    steps: list[tuple[str, Any]]
+    island: list[bool]
+    narrow: set
+    wide: set
+
+
+def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> Plan:
     """For each equation: how it is evaluated, with which rule, and whether it computes in
     float32 (such equations are evaluated inside ``jax.checkpoint`` islands when
     ``ctx.remat``: their float32 results are recomputed in the backward pass from the
@@ -58,9 +65,34 @@ def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bo
     commute with rounding (``relu``, data movement; see :func:`narrow_inputs`). A float32
     value such a var holds (a norm's result) is rounded where it is made, so ``relu``
     between a BatchNorm and a convolution runs, and keeps its residual, in half precision.
+
+    The fourth result, ``wide``, is the set of indices of the matmuls (convolutions) whose
+    results only float32 operations of this jaxpr read: they may store a float32 result
+    (:mod:`autocast._wide`) instead of rounding it to half precision for nothing.
     """
-    steps, island, _, narrow = _plan(ctx, jaxpr, scopes, out_float32)
-    return steps, island, narrow
+    steps, island, wants32, narrow = _plan(ctx, jaxpr, scopes, out_float32)
+    return Plan(steps, island, narrow, _wide_matmuls(jaxpr, steps, wants32))
+
+
+def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> set:
+    consumers: dict[Any, list[int]] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                consumers.setdefault(v, []).append(k)
+    outs = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
+    wide = set()
+    for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, steps)):
+        if kind != RULE or rule is not _rules.use_compute_precision or eqn.primitive.name not in _wide.BILINEAR:
+            continue
+        floats = [v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype) and not isinstance(v, _compat.DropVar)]
+        # read in float32 by every consumer, all of them equations of this jaxpr (what a
+        # caller or a nested body does with the value is not seen here)
+        if floats and all(
+            wants32.get(v, False) and v not in outs and all(steps[k][0] == RULE for k in consumers.get(v, ())) for v in floats
+        ):
+            wide.add(i)
+    return wide
 
 
 def _plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool], out_narrow: Sequence[bool] | None = None):

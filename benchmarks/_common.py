@@ -134,7 +134,8 @@ def interleaved_medians(
 
     Each runner is called ``warmup`` times (not timed), then ``repeats`` rounds are
     timed, one call of every runner per round, so slow drifts of a shared noisy
-    machine hit every runner alike. Returns ``{name: {median, min, iqr, n}}`` in seconds.
+    machine hit every runner alike. Returns ``{name: {median, min, iqr, n, times}}`` in
+    seconds (``times``: one per round, in round order; see :func:`paired_ratio`).
     """
     for _ in range(warmup):
         for fn in runners.values():
@@ -151,8 +152,15 @@ def interleaved_medians(
             "min": min(ts),
             "iqr": float(q[1] - q[0]),
             "n": len(ts),
+            "times": list(ts),
         }
     return out
+
+
+def paired_ratio(timing: dict[str, dict[str, Any]], name: str, base: str) -> float:
+    """Median over rounds of ``name``'s time / ``base``'s time in the same round (from
+    :func:`interleaved_medians`): a ratio that noise common to one round cancels out of."""
+    return statistics.median(a / b for a, b in zip(timing[name]["times"], timing[base]["times"]))
 
 
 def trace_lower_compile(jitted: Any, *args: Any) -> tuple[Any, dict[str, float]]:

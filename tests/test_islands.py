@@ -4,7 +4,10 @@
 keeps for the backward pass: a softmax or layer norm of a half-precision activation is
 recomputed (its float32 intermediates are twice the size of its input); an LSTM cell that
 updates a float32 carry is not (its float32 input is as large as its intermediates).
-``True`` recomputes every island, ``False`` none. All three compute the same values.
+``True`` recomputes every island, ``False`` none. All three are mixed precision of the same
+float32 function; they differ in rounding only: a recomputed island reads the half-precision
+matmul results it is fed (that is what its checkpoint saves), while a matmul that only
+float32 operations read, and no recomputed island, stores a float32 result.
 """
 
 from __future__ import annotations
@@ -108,10 +111,10 @@ def _tree_rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("case, auto_is", [("softmax+layernorm", True), ("LSTM cell (scan)", False)])
-def test_modes_compute_the_same_values(case, auto_is):
-    """``auto`` computes what the mode it picks for the island computes; recomputing or not changes
-    only the rounding of the backward pass (half-precision level); all are mixed precision
-    of the float32 function."""
+def test_modes_compute_the_same_function(case, auto_is):
+    """``auto`` computes what the mode it picks for the island computes; recomputing or not
+    changes rounding only (half-precision level: the island's matmul inputs and the backward
+    pass); all are mixed precision of the float32 function."""
     f, make = CASES[case]
     p, x = make()
     results = {m: jax.jit(jax.value_and_grad(autocast.amp(f, compute_dtype=jnp.bfloat16, remat_float32=m)))(p, x) for m in MODES}
@@ -119,7 +122,7 @@ def test_modes_compute_the_same_values(case, auto_is):
     # same program; XLA may still fuse (and so round) differently from one compile to the next
     np.testing.assert_allclose(results["auto"][0], results[auto_is][0], rtol=1e-4)
     assert _tree_rel(results["auto"][1], results[auto_is][1]) < 1e-3
-    np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-4)
+    np.testing.assert_allclose(results[True][0], results[False][0], rtol=4e-3)  # bfloat16 eps: 7.8e-3
     assert _tree_rel(results[True][1], results[False][1]) < 1e-2
     for m in MODES:
         np.testing.assert_allclose(results[m][0], v32, rtol=5e-2, atol=1e-2)
