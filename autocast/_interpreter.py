@@ -154,12 +154,12 @@ def eval_jaxpr(
 
     plan, island, narrow, wide = _plan.plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars))
     with _dtypes.memoised_casts():
-        _eval_eqns(ctx, jaxpr, plan, island, narrow, wide if ctx.widen else set(), env, read, scopes)
+        _eval_eqns(ctx, jaxpr, plan, island, narrow, wide if ctx.widen else {}, env, read, scopes)
     results = [read(v) for v in jaxpr.outvars]
     return [x for x, _ in results], [f for _, f in results]
 
 
-def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], narrow: set, wide: set, env: dict, read, scopes: tuple[str, ...]) -> None:
+def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], narrow: set, wide: dict, env: dict, read, scopes: tuple[str, ...]) -> None:
     eqns = jaxpr.eqns
     last_use: dict[Any, int] = {}
     feeds_recomputed = _recomputed_consumers(ctx, eqns, plan, island, wide, env) if wide else None
@@ -206,9 +206,9 @@ def _narrow(ctx: Context, eqns: Sequence[Any], narrow: set, env: dict) -> None:
                         env[v] = (_dtypes.cast(x, ctx.compute_dtype), free)
 
 
-def _recomputed_consumers(ctx: Context, eqns: Sequence[Any], plan: list, island: list[bool], wide: set, env: dict):
-    """For the matmuls in ``wide``: a test of whether one of them feeds an island that will
-    be recomputed. Such a matmul keeps its half-precision result: the island's checkpoint
+def _recomputed_consumers(ctx: Context, eqns: Sequence[Any], plan: list, island: list[bool], wide: dict, env: dict):
+    """For the matmuls in ``wide`` (index -> indices of their readers): a test of whether one
+    of them feeds an island that will be recomputed. Such a matmul keeps its half-precision result: the island's checkpoint
     saves its inputs, and a float32 one would double them. The decision the island takes
     when it is reached is estimated here with the values at hand, counting the results of
     matmuls not evaluated yet in the compute dtype."""
@@ -223,14 +223,7 @@ def _recomputed_consumers(ctx: Context, eqns: Sequence[Any], plan: list, island:
             i = j
         else:
             i += 1
-    consumers: dict[Any, set[int]] = {}
-    made_by_matmul: set = set()
-    for k, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            if not isinstance(v, _compat.Literal):
-                consumers.setdefault(v, set()).add(k)
-        if plan[k] == (_plan.RULE, _rules.use_compute_precision):
-            made_by_matmul.update(eqn.outvars)
+    made_by_matmul = {v for eqn, step in zip(eqns, plan) if step == (_plan.RULE, _rules.use_compute_precision) for v in eqn.outvars}
 
     def nbytes(v):
         if v in env:
@@ -244,8 +237,7 @@ def _recomputed_consumers(ctx: Context, eqns: Sequence[Any], plan: list, island:
         return not ctx.remat_auto or _worth_recomputing(eqns[start:end], nbytes)
 
     def feeds(i: int) -> bool:
-        starts = {segment[k] for v in eqns[i].outvars for k in consumers.get(v, ()) if k in segment}
-        return any(recomputed(*se) for se in starts)
+        return any(recomputed(*se) for se in {segment[k] for k in wide[i] if k in segment})
 
     return feeds
 

@@ -40,7 +40,7 @@ class Plan(NamedTuple):
     steps: list[tuple[str, Any]]
     island: list[bool]
     narrow: set
-    wide: set
+    wide: dict
 
 
 def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> Plan:
@@ -66,22 +66,23 @@ def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bo
     value such a var holds (a norm's result) is rounded where it is made, so ``relu``
     between a BatchNorm and a convolution runs, and keeps its residual, in half precision.
 
-    The fourth result, ``wide``, is the set of indices of the matmuls (convolutions) whose
-    results only float32 operations of this jaxpr read: they may store a float32 result
-    (:mod:`autocast._wide`) instead of rounding it to half precision for nothing.
+    The fourth result, ``wide``, maps the index of each matmul (convolution) whose results
+    only float32 operations of this jaxpr read to the indices of those readers: it may store
+    a float32 result (:mod:`autocast._wide`) instead of rounding it to half precision for
+    nothing.
     """
     steps, island, wants32, narrow = _plan(ctx, jaxpr, scopes, out_float32)
     return Plan(steps, island, narrow, _wide_matmuls(jaxpr, steps, wants32))
 
 
-def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> set:
+def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> dict[int, set[int]]:
     consumers: dict[Any, list[int]] = {}
     for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
             if not isinstance(v, _compat.Literal):
                 consumers.setdefault(v, []).append(k)
     outs = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
-    wide = set()
+    wide: dict[int, set[int]] = {}
     for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, steps)):
         if kind != RULE or rule is not _rules.use_compute_precision or eqn.primitive.name not in _wide.BILINEAR:
             continue
@@ -91,7 +92,7 @@ def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> set:
         if floats and all(
             wants32.get(v, False) and v not in outs and all(steps[k][0] == RULE for k in consumers.get(v, ())) for v in floats
         ):
-            wide.add(i)
+            wide[i] = {k for v in floats for k in consumers.get(v, ())}
     return wide
 
 
