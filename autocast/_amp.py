@@ -114,7 +114,14 @@ class _AmpFunction:
         return f"amp({getattr(self.fn, '__name__', self.fn)!r}, compute_dtype={self.compute_dtype.name})"
 
 
-def _transform(closed: Any, compute_dtype: np.dtype, policy: Mapping, scopes: tuple[str, ...], remat: bool | str, ctx: Context | None = None) -> Any:
+def _transform(
+    closed: Any,
+    compute_dtype: np.dtype,
+    policy: Mapping,
+    scopes: tuple[str, ...],
+    remat: bool | str,
+    ctx: Context | None = None,
+) -> Any:
     """The closed jaxpr of ``closed`` re-evaluated under ``policy`` (``ctx``: a context to
     use instead of a new one, e.g. one with an observer, for ``autocast.explain``)."""
     ctx = Context(compute_dtype, policy, remat) if ctx is None else ctx
@@ -184,7 +191,7 @@ def amp(
     if fn is None:
         return functools.partial(amp, compute_dtype=dtype, amp_policy=policy, remat_float32=remat_float32)
     if not callable(fn):
-        raise TypeError(f"amp(fn={fn!r}): fn must be callable (a function, an Equinox module, ...), got {type(fn).__name__}.")
+        raise TypeError(
+            f"amp(fn={fn!r}): fn must be callable (a function, an Equinox module, ...), got {type(fn).__name__}."
+        )
     return _AmpFunction(fn, dtype, policy, remat_float32)
-
-

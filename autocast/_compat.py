@@ -150,7 +150,9 @@ def bind_inputs(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[
     all_vars = [*jaxpr.constvars, *jaxpr.invars]
     vals = [*consts, *args]
     if len(all_vars) != len(vals):
-        raise ValueError(f"jaxpr takes {len(all_vars)} inputs (constants included); got {len(consts)} constants and {len(args)} arguments")
+        raise ValueError(
+            f"jaxpr takes {len(all_vars)} inputs (constants included); got {len(consts)} constants and {len(args)} arguments"
+        )
     return [(v, x, i < len(consts)) for i, (v, x) in enumerate(zip(all_vars, vals))]
 
 

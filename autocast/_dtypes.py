@@ -29,9 +29,9 @@ _ALIASES = {
     "full": jnp.float32,
     "single": jnp.float32,
 }
-ALLOWED_COMPUTE = "float16, bfloat16 or float32 (a dtype, or one of the strings " + ", ".join(
-    repr(k) for k in _ALIASES
-) + ")"
+ALLOWED_COMPUTE = (
+    "float16, bfloat16 or float32 (a dtype, or one of the strings " + ", ".join(repr(k) for k in _ALIASES) + ")"
+)
 
 
 def canonical_compute_dtype(dtype: Any, *, argument: str = "compute_dtype") -> np.dtype:

@@ -81,7 +81,9 @@ class _Observer:
         if kind == _plan.STOP:  # bound as traced (the interpreter casts inside _bind_original)
             if _walk.bodies(eqn):  # a jit/scan/... inside amp_stop: its body runs as traced
                 for sub in _walk.bodies(eqn):
-                    for e, sc, p, m in _walk.walk(sub, tuple(scopes), (*path, _walk.label(eqn)), mult * _walk.multiplier(eqn)):
+                    for e, sc, p, m in _walk.walk(
+                        sub, tuple(scopes), (*path, _walk.label(eqn)), mult * _walk.multiplier(eqn)
+                    ):
                         avals = [v.aval for v in e.invars]
                         self._add(e, "original", "amp_stop", sc, p, m, avals, avals, [v.aval for v in e.outvars], None)
                 return
@@ -201,9 +203,14 @@ class Explanation:
             row = groups.get(key)
             if row is None:
                 row = groups[key] = dict(
-                    scope=where, nesting=nest, primitive=r.primitive, count=0,
-                    operands=f"{_runs(r.before)} → {_runs(r.after)}", result=_runs(r.result),
-                    rule=r.rule, why=r.why,
+                    scope=where,
+                    nesting=nest,
+                    primitive=r.primitive,
+                    count=0,
+                    operands=f"{_runs(r.before)} → {_runs(r.after)}",
+                    result=_runs(r.result),
+                    rule=r.rule,
+                    why=r.why,
                 )
             row["count"] += r.mult
         self.rows: list[dict[str, Any]] = list(groups.values())
@@ -224,7 +231,12 @@ class Explanation:
             "rows": [dict(r) for r in self.rows],
             "totals": self.totals,
             "float32_matmuls": [
-                {**dataclasses.asdict(m), "shape": [list(s) for s in m.shape], "scopes": list(m.scopes), "path": list(m.path)}
+                {
+                    **dataclasses.asdict(m),
+                    "shape": [list(s) for s in m.shape],
+                    "scopes": list(m.scopes),
+                    "path": list(m.path),
+                }
                 for m in self.float32_matmuls
             ],
         }
@@ -346,7 +358,9 @@ def _flat(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, list[Any]]
 
 def _check_fn(name: str, fn: Any) -> None:
     if not callable(fn):
-        raise TypeError(f"{name}(fn={fn!r}): fn must be callable (a function, an Equinox module, ...), got {type(fn).__name__}.")
+        raise TypeError(
+            f"{name}(fn={fn!r}): fn must be callable (a function, an Equinox module, ...), got {type(fn).__name__}."
+        )
 
 
 def explain(

@@ -115,7 +115,9 @@ for _prim, _param in ((_compat.jit_p, "jaxpr"), (_compat.closed_call_p, "call_ja
 # --- custom derivatives: body and rules in the arriving dtypes ------------------------------
 
 
-def _specialised(ctx: Context, eqn: Any, jaxpr_like: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
+def _specialised(
+    ctx: Context, eqn: Any, jaxpr_like: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]
+):
     """A custom-derivative body specialised to the arriving dtypes, as a function, with
     its output avals.
 
@@ -131,8 +133,12 @@ def _specialised(ctx: Context, eqn: Any, jaxpr_like: Any, invals: list, in_free:
     if half == _dtypes.FLOAT32:
         half = None
     _, traced_out = _boundary_dtypes(jaxpr_like)
-    out_dtypes = [half if half is not None and _dtypes.is_castable(d) and not w else None for d, w in zip(traced_out, out32)]
-    new, extra, out_free = transform_jaxpr(ctx, jaxpr_like, in_dtypes, in_free, scopes, out_dtypes=out_dtypes, out_float32=out32)
+    out_dtypes = [
+        half if half is not None and _dtypes.is_castable(d) and not w else None for d, w in zip(traced_out, out32)
+    ]
+    new, extra, out_free = transform_jaxpr(
+        ctx, jaxpr_like, in_dtypes, in_free, scopes, out_dtypes=out_dtypes, out_float32=out32
+    )
     open_, consts = _compat.open_and_consts(new)
     fun = _compat.jaxpr_as_fun(_compat.close_jaxpr(open_, consts))
     return (lambda *args: list(fun(*extra, *args))), [v.aval for v in open_.outvars], out_free, in_dtypes
@@ -176,7 +182,9 @@ def _custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tup
         k = len(out_avals)
         primals_out = [_cast_castable(x, a.dtype) for x, a in zip(outs[:k], out_avals)]
         nonzero = iter(outs[k:])
-        tangents_out = [_zero_tangent(a) if z else _cast_castable(next(nonzero), a.dtype) for a, z in zip(out_avals, out_zeros)]
+        tangents_out = [
+            _zero_tangent(a) if z else _cast_castable(next(nonzero), a.dtype) for a, z in zip(out_avals, out_zeros)
+        ]
         return primals_out, tangents_out
 
     call = jax.custom_jvp(body)
@@ -241,6 +249,8 @@ def _custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tup
     call = jax.custom_vjp(body)
     call.defvjp(fwd, bwd_rule, symbolic_zeros=True)
     return list(call(*invals)), out_free
+
+
 # --- loops: carries keep the dtype of their initial value (or the unrolled loop's) ----
 
 
@@ -253,7 +263,16 @@ def _scan_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) ->
     return flags
 
 
-def _narrowed_carries(ctx: Context, body: Any, in_dtypes: list, in_free: Sequence, scopes: tuple, n_consts: int, n_carry: int, out32: Sequence[bool]) -> list[int]:
+def _narrowed_carries(
+    ctx: Context,
+    body: Any,
+    in_dtypes: list,
+    in_free: Sequence,
+    scopes: tuple,
+    n_consts: int,
+    n_carry: int,
+    out32: Sequence[bool],
+) -> list[int]:
     """Float32 initial carries made from parameters or inputs (free, not from literals
     alone) that the body, as in its first unrolled iteration, turns into the compute dtype:
     an embedding entering a ``scan`` over layers adds half-precision block outputs to
@@ -289,7 +308,9 @@ def _scan(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, ou
     _, body_outs = _boundary_dtypes(body)
     out_dtypes = [*in_dtypes[n_consts : n_consts + n_carry], *([None] * (len(body_outs) - n_carry))]
     body_out32 = [*(d == _dtypes.FLOAT32 for d in out_dtypes[:n_carry]), *out32[n_carry:]]
-    new, _, body_free = transform_jaxpr(ctx, body, in_dtypes, free, scopes, out_dtypes=out_dtypes, out_float32=body_out32)
+    new, _, body_free = transform_jaxpr(
+        ctx, body, in_dtypes, free, scopes, out_dtypes=out_dtypes, out_float32=body_out32
+    )
     out_free = [False] * n_carry + body_free[n_carry:]
     params["jaxpr"] = new
     return _compat.bind(eqn.primitive, invals, params), out_free
@@ -302,15 +323,21 @@ def _while(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, o
     in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
     invals = list(invals)
     n_carry = len(invals) - nc - nb
-    for i in _narrowed_carries(ctx, params["body_jaxpr"], in_dtypes[nc:], in_free[nc:], scopes, nb, n_carry, [False] * n_carry):
+    for i in _narrowed_carries(
+        ctx, params["body_jaxpr"], in_dtypes[nc:], in_free[nc:], scopes, nb, n_carry, [False] * n_carry
+    ):
         invals[nc + i] = _dtypes.cast(invals[nc + i], ctx.compute_dtype)
         in_dtypes[nc + i] = ctx.compute_dtype
     cond_consts, body_consts, carry = in_dtypes[:nc], in_dtypes[nc : nc + nb], in_dtypes[nc + nb :]
     cfree, bfree = in_free[:nc], in_free[nc : nc + nb]
     no = [False] * len(carry)
     _, cond_outs = _boundary_dtypes(params["cond_jaxpr"])
-    params["cond_jaxpr"], _, _ = transform_jaxpr(ctx, params["cond_jaxpr"], [*cond_consts, *carry], [*cfree, *no], scopes, out_dtypes=cond_outs)
-    params["body_jaxpr"], _, _ = transform_jaxpr(ctx, params["body_jaxpr"], [*body_consts, *carry], [*bfree, *no], scopes, out_dtypes=carry)
+    params["cond_jaxpr"], _, _ = transform_jaxpr(
+        ctx, params["cond_jaxpr"], [*cond_consts, *carry], [*cfree, *no], scopes, out_dtypes=cond_outs
+    )
+    params["body_jaxpr"], _, _ = transform_jaxpr(
+        ctx, params["body_jaxpr"], [*body_consts, *carry], [*bfree, *no], scopes, out_dtypes=carry
+    )
     outs = _compat.bind(eqn.primitive, invals, params)
     return outs, [False] * len(outs)
 
@@ -325,8 +352,7 @@ def _cond(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, ou
     out_dtypes_per_branch = [[v.aval.dtype for v in new.jaxpr.outvars] for new, _, _ in first]
     _, traced_outs = _boundary_dtypes(branches[0])
     out_dtypes = [
-        ds[0] if len(set(map(str, ds))) == 1 else traced
-        for ds, traced in zip(zip(*out_dtypes_per_branch), traced_outs)
+        ds[0] if len(set(map(str, ds))) == 1 else traced for ds, traced in zip(zip(*out_dtypes_per_branch), traced_outs)
     ]
     new_branches, frees = [], []
     for b, (new, _, branch_free), dts in zip(branches, first, out_dtypes_per_branch):

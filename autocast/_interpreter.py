@@ -67,10 +67,29 @@ from ._policy import Lookup
 # operands: a value made by them from free values is free too.
 _STRUCTURAL = frozenset(
     {
-        "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "rev", "pad",
-        "concatenate", "split", "slice", "dynamic_slice", "gather", "copy", "copy_p",
-        "convert_element_type", "sharding_constraint", "device_put", "reshard", "select_n",
-        "tile", "broadcast_to", "iota", "stop_gradient",
+        "broadcast_in_dim",
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "rev",
+        "pad",
+        "concatenate",
+        "split",
+        "slice",
+        "dynamic_slice",
+        "gather",
+        "copy",
+        "copy_p",
+        "convert_element_type",
+        "sharding_constraint",
+        "device_put",
+        "reshard",
+        "select_n",
+        "tile",
+        "broadcast_to",
+        "iota",
+        "stop_gradient",
     }
 )
 # ... and sums of free values: ``embedding + position`` is still made from parameters only,
@@ -112,7 +131,7 @@ class Context:
         # ``(marker, recomputed)`` shared by the equations of one float32 island).
         self.observer: Any = None
 
-    def without_widening(self) -> "Context":
+    def without_widening(self) -> Context:
         """This context (same caches), with ``widen`` off."""
         other = copy.copy(self)
         other.widen = False
@@ -159,7 +178,17 @@ def eval_jaxpr(
     return [x for x, _ in results], [f for _, f in results]
 
 
-def _eval_eqns(ctx: Context, jaxpr: Any, plan: list, island: list[bool], narrow: set, wide: dict, env: dict, read, scopes: tuple[str, ...]) -> None:
+def _eval_eqns(
+    ctx: Context,
+    jaxpr: Any,
+    plan: list,
+    island: list[bool],
+    narrow: set,
+    wide: dict,
+    env: dict,
+    read,
+    scopes: tuple[str, ...],
+) -> None:
     eqns = jaxpr.eqns
     last_use: dict[Any, int] = {}
     feeds_recomputed = _recomputed_consumers(ctx, eqns, plan, island, wide, env) if wide else None
@@ -223,7 +252,9 @@ def _recomputed_consumers(ctx: Context, eqns: Sequence[Any], plan: list, island:
             i = j
         else:
             i += 1
-    made_by_matmul = {v for eqn, step in zip(eqns, plan) if step == (_plan.RULE, _rules.use_compute_precision) for v in eqn.outvars}
+    made_by_matmul = {
+        v for eqn, step in zip(eqns, plan) if step == (_plan.RULE, _rules.use_compute_precision) for v in eqn.outvars
+    }
 
     def nbytes(v):
         if v in env:
@@ -263,7 +294,16 @@ def _bridges(eqn: Any, step: tuple[str, Any]) -> bool:
     return step[0] == _plan.RULE and not eqn.effects and not any(_dtypes.is_castable(v.aval.dtype) for v in eqn.outvars)
 
 
-def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, scopes: tuple[str, ...], island: Any = None, widen: bool = False) -> None:
+def _eval_eqn(
+    ctx: Context,
+    eqn: Any,
+    step: tuple[str, Any],
+    env: dict,
+    read,
+    scopes: tuple[str, ...],
+    island: Any = None,
+    widen: bool = False,
+) -> None:
     kind, rule = step
     read_in = [read(v) for v in eqn.invars]
     invals = [x for x, _ in read_in]
@@ -272,7 +312,10 @@ def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, sc
     if ctx.observer is not None:  # autocast.explain (see Context.observer)
         ctx.observer.enter(eqn)
     bound = invals
-    with _compat.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack), _compat.eqn_context(eqn):
+    with (
+        _compat.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack),
+        _compat.eqn_context(eqn),
+    ):
         if kind == _plan.STOP:
             outs = _bind_original(eqn, invals)
             out_free = [False] * len(outs)
@@ -280,7 +323,10 @@ def _eval_eqn(ctx: Context, eqn: Any, step: tuple[str, Any], env: dict, read, sc
             handler, out32, pulls = rule
             # operands the bodies consume only in float32: cast once, here, so every
             # float32 consumer of the value (inside and outside) reads the same value
-            invals = [_dtypes.cast(x, _dtypes.FLOAT32) if p and _dtypes.is_castable(v.aval.dtype) else x for x, p, v in zip(invals, pulls, eqn.invars)]
+            invals = [
+                _dtypes.cast(x, _dtypes.FLOAT32) if p and _dtypes.is_castable(v.aval.dtype) else x
+                for x, p, v in zip(invals, pulls, eqn.invars)
+            ]
             outs, out_free = handler(ctx, eqn, invals, in_free, eqn_scopes, out32)
         else:
             outs, out_free, bound = _apply_rule(ctx, eqn, rule, invals, in_free, widen)
@@ -356,16 +402,32 @@ def _absorbed_end(eqns: Sequence[Any], plan: list, island: list[bool], j: int) -
     return last
 
 
-def _eval_island(ctx: Context, eqns: Sequence[Any], steps: Sequence, env: dict, read, scopes, last_use: dict, end: int, n_island: int | None = None) -> None:
+def _eval_island(
+    ctx: Context,
+    eqns: Sequence[Any],
+    steps: Sequence,
+    env: dict,
+    read,
+    scopes,
+    last_use: dict,
+    end: int,
+    n_island: int | None = None,
+) -> None:
     """Evaluate a run of float32 equations inside ``jax.checkpoint``: the backward pass
     recomputes them from the island's inputs (half-precision activations, parameters)
     instead of keeping their float32 results. Equations after the first ``n_island`` are
     the matmuls that read the island (see :func:`_absorbed_end`): only their outputs are
     saved."""
     n_island = len(eqns) if n_island is None else n_island
-    save = frozenset(e.primitive.name for e, (kind, rule) in zip(eqns[n_island:], steps[n_island:]) if rule is _rules.use_compute_precision)
+    save = frozenset(
+        e.primitive.name
+        for e, (kind, rule) in zip(eqns[n_island:], steps[n_island:])
+        if rule is _rules.use_compute_precision
+    )
     inputs = _island_inputs(eqns)
-    outputs = [v for eqn in eqns for v in eqn.outvars if not isinstance(v, _compat.DropVar) and last_use.get(v, -1) >= end]
+    outputs = [
+        v for eqn in eqns for v in eqn.outvars if not isinstance(v, _compat.DropVar) and last_use.get(v, -1) >= end
+    ]
     if not outputs:
         return
     in_vals = [read(v) for v in inputs]
@@ -461,7 +523,9 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
     try:
         with contextlib.ExitStack() as stack:
             for i, dtype in _float32_broadcasts_ahead(eqn, prim, invals):
-                stack.enter_context(_dtypes.cast_override(invals[i], dtype, functools.partial(_broadcast_cast, invals[i], eqn, dtype)))
+                stack.enter_context(
+                    _dtypes.cast_override(invals[i], dtype, functools.partial(_broadcast_cast, invals[i], eqn, dtype))
+                )
             result = rule(ctx.compute_dtype, orig, *invals, **dict(eqn.params))
     finally:
         _rules._free_mask.reset(token)
@@ -508,14 +572,18 @@ def _float32_broadcasts_ahead(eqn: Any, prim: Any, invals: Sequence[Any]) -> lis
     if prim.name not in _LINEAR_BROADCAST:
         return []
     cands = _broadcast_candidates(eqn, prim, invals)
-    others = {_dtype_or_none(x) for i, x in enumerate(invals) if i not in cands and _dtypes.is_castable(_dtype_or_none(x))}
+    others = {
+        _dtype_or_none(x) for i, x in enumerate(invals) if i not in cands and _dtypes.is_castable(_dtype_or_none(x))
+    }
     if not cands or len(others) != 1 or _dtypes.FLOAT32 in others:
         return []
     (half,) = others
     return [(i, half) for i in cands]
 
 
-def _bind_broadcast_in_float32(eqn: Any, prim: Any, invals: list[Any], new_invals: list[Any], params: dict[str, Any]) -> list[Any]:
+def _bind_broadcast_in_float32(
+    eqn: Any, prim: Any, invals: list[Any], new_invals: list[Any], params: dict[str, Any]
+) -> list[Any]:
     """Bind, broadcasting in float32 the operands that the rule narrowed from float32 and
     that the primitive broadcasts (a bias ``(1, C)`` added to ``(N, C)`` activations).
 
@@ -556,7 +624,9 @@ def _check_rule_result(result: Any, prim: Any, rule: Any, invals: Sequence[Any],
     new_invals, params = result
     new_invals = list(new_invals)
     if len(new_invals) != len(invals):
-        raise ValueError(f"{where} returned {len(new_invals)} operands; expected {len(invals)} (one per operand, in order).")
+        raise ValueError(
+            f"{where} returned {len(new_invals)} operands; expected {len(invals)} (one per operand, in order)."
+        )
     if not isinstance(params, dict):
         try:
             params = dict(params)
@@ -596,7 +666,9 @@ def _retype_combiner(ctx: Context, params: dict[str, Any], operand: Any) -> dict
         return params
     open_, _ = _compat.open_and_consts(jaxpr)
     in_dtypes = [dtype if _dtypes.is_castable(v.aval.dtype) else v.aval.dtype for v in open_.invars]
-    new, consts, _ = transform_jaxpr(ctx, jaxpr, in_dtypes, [False] * len(in_dtypes), (), out_dtypes=[dtype] * len(open_.outvars))
+    new, consts, _ = transform_jaxpr(
+        ctx, jaxpr, in_dtypes, [False] * len(in_dtypes), (), out_dtypes=[dtype] * len(open_.outvars)
+    )
     if consts:
         return params  # a combiner that closes over values: keep the traced one
     return dict(params, update_jaxpr=new)

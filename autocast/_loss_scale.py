@@ -78,14 +78,11 @@ def _check_power_of_two(cls: str, name: str, value: float, example: str) -> None
 def _static_float(cls: str, name: str, value: Any) -> float:
     if isinstance(value, bool) or _concrete(value) is None:
         raise TypeError(
-            f"{cls}: `{name}` is static configuration and must be a concrete Python "
-            f"number; got {name}={value!r}."
+            f"{cls}: `{name}` is static configuration and must be a concrete Python number; got {name}={value!r}."
         )
     array = np.asarray(value)
     if array.shape != () or not np.issubdtype(array.dtype, np.number):
-        raise TypeError(
-            f"{cls}: `{name}` must be a real number; got {name}={value!r}."
-        )
+        raise TypeError(f"{cls}: `{name}` must be a real number; got {name}={value!r}.")
     return float(array)
 
 
@@ -97,29 +94,18 @@ def _static_factor(cls: str, name: str, value: Any) -> float:
             if name == "backoff_factor"
             else ""
         )
-        raise ValueError(
-            f"{cls}: `{name}` must be > 1{hint}; got {name}={value!r}."
-        )
+        raise ValueError(f"{cls}: `{name}` must be > 1{hint}; got {name}={value!r}.")
     _check_power_of_two(cls, name, factor, "2.0")
     return factor
 
 
 def _static_int(cls: str, name: str, value: Any) -> int:
     array = _concrete(value)
-    if (
-        isinstance(value, bool)
-        or array is None
-        or array.shape != ()
-        or not np.issubdtype(array.dtype, np.integer)
-    ):
-        raise TypeError(
-            f"{cls}: `{name}` must be a concrete Python int; got {name}={value!r}."
-        )
+    if isinstance(value, bool) or array is None or array.shape != () or not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"{cls}: `{name}` must be a concrete Python int; got {name}={value!r}.")
     result = int(array)
     if not 0 <= result <= _INT32_MAX:
-        raise ValueError(
-            f"{cls}: `{name}` must be between 0 and {_INT32_MAX}; got {name}={result}."
-        )
+        raise ValueError(f"{cls}: `{name}` must be between 0 and {_INT32_MAX}; got {name}={result}.")
     return result
 
 
@@ -146,9 +132,7 @@ def _scalar_leaf(cls: str, name: str, value: Any, dtype: Any) -> jax.Array:
         jnp.float32: ("a real number", is_int or is_float),
     }[dtype]
     if not ok:
-        raise TypeError(
-            f"{cls}: `{name}` must be {allowed}; got {name}={value!r} of dtype {got}."
-        )
+        raise TypeError(f"{cls}: `{name}` must be {allowed}; got {name}={value!r} of dtype {got}.")
     if np.shape(value) != ():
         raise ValueError(
             f"{cls}: `{name}` must be a scalar; got shape {np.shape(value)} "
@@ -174,23 +158,16 @@ def _check_scale_value(cls: str, scaler: jax.Array, low: float, high: float) -> 
 def _check_nonnegative(cls: str, name: str, value: jax.Array) -> None:
     concrete = _concrete(value)
     if concrete is not None and int(concrete) < 0:
-        raise ValueError(
-            f"{cls}: `{name}` must be >= 0; got {name}={int(concrete)}."
-        )
+        raise ValueError(f"{cls}: `{name}` must be >= 0; got {name}={int(concrete)}.")
 
 
 def _as_flag(value: Any, where: str) -> jax.Array:
     """A scalar boolean array, or a clear error."""
     flag = jnp.asarray(value)
     if flag.shape != ():
-        raise ValueError(
-            f"{where} must be a scalar boolean; got shape {flag.shape}."
-        )
+        raise ValueError(f"{where} must be a scalar boolean; got shape {flag.shape}.")
     if flag.dtype != jnp.bool_:
-        raise TypeError(
-            f"{where} must be a boolean (e.g. the output of all_finite); got dtype "
-            f"{flag.dtype}."
-        )
+        raise TypeError(f"{where} must be a boolean (e.g. the output of all_finite); got dtype {flag.dtype}.")
     return flag
 
 
@@ -394,9 +371,7 @@ class DynamicScalerState(_AbstractScalerState):
         self.patience = _static_int(cls, "patience", patience)
         self.adjust_factor = _static_factor(cls, "adjust_factor", adjust_factor)
         self.backoff_factor = (
-            self.adjust_factor
-            if backoff_factor is None
-            else _static_factor(cls, "backoff_factor", backoff_factor)
+            self.adjust_factor if backoff_factor is None else _static_factor(cls, "backoff_factor", backoff_factor)
         )
         self.min_scaler = _static_float(cls, "min_scaler", min_scaler)
         self.max_scaler = _static_float(cls, "max_scaler", max_scaler)
@@ -482,9 +457,7 @@ class NoOpScalerState(_AbstractScalerState):
     grads_finite: jax.Array
 
     def __init__(self, *, grads_finite: bool | jax.Array = True):
-        self.grads_finite = _scalar_leaf(
-            type(self).__name__, "grads_finite", grads_finite, jnp.bool_
-        )
+        self.grads_finite = _scalar_leaf(type(self).__name__, "grads_finite", grads_finite, jnp.bool_)
 
     @property
     def scaler(self) -> jax.Array:
@@ -514,16 +487,9 @@ def _from_state_dict(target: _AbstractScalerState, state: dict[str, Any]) -> Any
     names = target._leaf_fields
     missing = [name for name in names if name not in state]
     if missing:
-        raise ValueError(
-            f"{type(target).__name__}: the state dict lacks {missing}; got keys "
-            f"{sorted(state)}."
-        )
-    values = tuple(
-        jnp.asarray(state[name], dtype=getattr(target, name).dtype) for name in names
-    )
-    return eqx.tree_at(
-        lambda s: tuple(getattr(s, name) for name in names), target, values
-    )
+        raise ValueError(f"{type(target).__name__}: the state dict lacks {missing}; got keys {sorted(state)}.")
+    values = tuple(jnp.asarray(state[name], dtype=getattr(target, name).dtype) for name in names)
+    return eqx.tree_at(lambda s: tuple(getattr(s, name) for name in names), target, values)
 
 
 def _register_flax_serialization() -> None:
@@ -532,9 +498,7 @@ def _register_flax_serialization() -> None:
     except ImportError:  # flax is optional
         return
     for cls in (DynamicScalerState, StaticScalerState, NoOpScalerState):
-        serialization.register_serialization_state(
-            cls, _to_state_dict, _from_state_dict, override=True
-        )
+        serialization.register_serialization_state(cls, _to_state_dict, _from_state_dict, override=True)
 
 
 _register_flax_serialization()

@@ -30,10 +30,35 @@ _UNDERFLOW_SIGNIFICANCE = 1e-3
 # holds values that were already half precision, so they cannot overflow or underflow.
 _REARRANGING = frozenset(
     {
-        "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "rev", "concatenate", "split",
-        "slice", "dynamic_slice", "dynamic_update_slice", "gather", "copy", "copy_p", "select_n",
-        "stop_gradient", "max", "min", "reduce_max", "reduce_min", "neg", "abs", "sign", "sharding_constraint",
-        "device_put", "reshard", "pad", "argmax", "argmin",
+        "broadcast_in_dim",
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "rev",
+        "concatenate",
+        "split",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "gather",
+        "copy",
+        "copy_p",
+        "select_n",
+        "stop_gradient",
+        "max",
+        "min",
+        "reduce_max",
+        "reduce_min",
+        "neg",
+        "abs",
+        "sign",
+        "sharding_constraint",
+        "device_put",
+        "reshard",
+        "pad",
+        "argmax",
+        "argmin",
     }
 )
 
@@ -65,7 +90,15 @@ class Finding:
     def __str__(self) -> str:
         where = "/".join(self.scopes)
         nest = " > ".join(self.path)
-        ctx = ", ".join(x for x in (f"scope {where}" if where else "", f"in {nest}" if nest else "", "backward pass" if self.backward else "") if x)
+        ctx = ", ".join(
+            x
+            for x in (
+                f"scope {where}" if where else "",
+                f"in {nest}" if nest else "",
+                "backward pass" if self.backward else "",
+            )
+            if x
+        )
         return (
             f"{self.kind} in {self.primitive} at {self.source}{f' ({ctx})' if ctx else ''}: "
             f"{self.count} element(s); {self.dtype} range [{self.half_range[0]:.4g}, {self.half_range[1]:.4g}], "
@@ -116,7 +149,9 @@ class _Checker:
         self.seen: set = set()
         self.checked = 0
 
-    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], scopes: tuple, path: tuple, backward: bool) -> list[Any]:
+    def run(
+        self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], scopes: tuple, path: tuple, backward: bool
+    ) -> list[Any]:
         env: dict[Any, Any] = {}
 
         def read(v):
@@ -157,7 +192,9 @@ class _Checker:
                 carry = self.body(params["body_jaxpr"], [*bconsts, *carry], scopes, here, bwd)
             return carry
         outs = _compat.bind(prim, invals, dict(params))
-        if not _walk.bodies(eqn) and any(_walk.is_half(v.aval.dtype) for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype)):
+        if not _walk.bodies(eqn) and any(
+            _walk.is_half(v.aval.dtype) for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype)
+        ):
             self.check(eqn, invals, outs, scopes, path, bwd)
         return outs
 
@@ -190,7 +227,14 @@ class _Checker:
         if name in _REARRANGING or any(_compat.is_jaxpr_like(v) for v in eqn.params.values()):
             return  # moves half values without computing new ones / a combiner typed for half
         if name == "convert_element_type":  # the reference of a cast is its input
-            self._report(eqn, scopes, path, bwd, str(np.dtype(outs[0].dtype)), _stats(np.asarray(outs[0], np.float32), np.asarray(invals[0], np.float32)))
+            self._report(
+                eqn,
+                scopes,
+                path,
+                bwd,
+                str(np.dtype(outs[0].dtype)),
+                _stats(np.asarray(outs[0], np.float32), np.asarray(invals[0], np.float32)),
+            )
             return
         ref_in = [_dtypes.cast(x, _dtypes.FLOAT32) if _walk.is_half(_dtypes.dtype_of(x)) else x for x in invals]
         params = {k: (_dtypes.FLOAT32 if _is_half_dtype(v) else v) for k, v in eqn.params.items()}
@@ -200,7 +244,14 @@ class _Checker:
             return
         for out, ref in zip(outs, refs):
             if _walk.is_half(_dtypes.dtype_of(out)) and np.shape(out) == np.shape(ref):
-                self._report(eqn, scopes, path, bwd, str(np.dtype(out.dtype)), _stats(np.asarray(out, np.float32), np.asarray(ref, np.float32)))
+                self._report(
+                    eqn,
+                    scopes,
+                    path,
+                    bwd,
+                    str(np.dtype(out.dtype)),
+                    _stats(np.asarray(out, np.float32), np.asarray(ref, np.float32)),
+                )
 
     def _report(self, eqn: Any, scopes, path, bwd, dtype: str, st: dict) -> None:
         self.checked += 1
@@ -217,9 +268,17 @@ class _Checker:
         src = _walk.source(eqn.source_info)
         self.findings.append(
             Finding(
-                primitive=eqn.primitive.name, kind=kind, source=src, scopes=tuple(scopes), path=tuple(path),
-                half_range=(float(st["hmin"]), float(st["hmax"])), float32_range=(float(st["rmin"]), float(st["rmax"])),
-                dtype=dtype, count=count, backward=bool(bwd), suggestion=_suggest(eqn.primitive.name, kind, src, bwd),
+                primitive=eqn.primitive.name,
+                kind=kind,
+                source=src,
+                scopes=tuple(scopes),
+                path=tuple(path),
+                half_range=(float(st["hmin"]), float(st["hmax"])),
+                float32_range=(float(st["rmin"]), float(st["rmax"])),
+                dtype=dtype,
+                count=count,
+                backward=bool(bwd),
+                suggestion=_suggest(eqn.primitive.name, kind, src, bwd),
             )
         )
 
@@ -232,9 +291,13 @@ def _stats(h: np.ndarray, r: np.ndarray) -> dict[str, Any]:
     flushed = (h == 0) & (r != 0) & fin & (np.abs(r) >= _UNDERFLOW_SIGNIFICANCE * big)
     with np.errstate(invalid="ignore"):
         return {
-            "bad": int(bad.sum()), "inf": int((bad & np.isinf(h)).sum()), "flushed": int(flushed.sum()),
-            "hmin": float(np.min(h, initial=np.inf)), "hmax": float(np.max(h, initial=-np.inf)),
-            "rmin": float(np.min(r, initial=np.inf)), "rmax": float(np.max(r, initial=-np.inf)),
+            "bad": int(bad.sum()),
+            "inf": int((bad & np.isinf(h)).sum()),
+            "flushed": int(flushed.sum()),
+            "hmin": float(np.min(h, initial=np.inf)),
+            "hmax": float(np.max(h, initial=-np.inf)),
+            "rmin": float(np.min(r, initial=np.inf)),
+            "rmax": float(np.max(r, initial=-np.inf)),
         }
 
 

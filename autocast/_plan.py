@@ -15,10 +15,33 @@ from ._policy import AMP_STOP
 # is evaluated without a checkpoint.
 LINEAR = frozenset(
     {
-        "add", "sub", "neg", "reduce_sum", "cumsum", "reduce_window_sum", "broadcast_in_dim",
-        "reshape", "transpose", "squeeze", "expand_dims", "rev", "pad", "concatenate", "split", "slice",
-        "dynamic_slice", "copy", "copy_p", "convert_element_type", "select_n", "stop_gradient",
-        "add_any", "real", "imag", "conj", "psum",
+        "add",
+        "sub",
+        "neg",
+        "reduce_sum",
+        "cumsum",
+        "reduce_window_sum",
+        "broadcast_in_dim",
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "rev",
+        "pad",
+        "concatenate",
+        "split",
+        "slice",
+        "dynamic_slice",
+        "copy",
+        "copy_p",
+        "convert_element_type",
+        "select_n",
+        "stop_gradient",
+        "add_any",
+        "real",
+        "imag",
+        "conj",
+        "psum",
     }
 )
 STOP, HIGHER, RULE = "stop", "higher", "rule"
@@ -29,9 +52,29 @@ STOP, HIGHER, RULE = "stop", "higher", "rule"
 # only through them can be rounded first: they then run in half precision, same values.
 COMMUTES_WITH_ROUNDING = frozenset(
     {
-        "max", "min", "neg", "abs", "select_n", "reduce_max", "reduce_min", "broadcast_in_dim",
-        "reshape", "transpose", "squeeze", "expand_dims", "rev", "pad", "concatenate", "split",
-        "slice", "dynamic_slice", "gather", "copy", "copy_p", "sharding_constraint", "stop_gradient",
+        "max",
+        "min",
+        "neg",
+        "abs",
+        "select_n",
+        "reduce_max",
+        "reduce_min",
+        "broadcast_in_dim",
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "rev",
+        "pad",
+        "concatenate",
+        "split",
+        "slice",
+        "dynamic_slice",
+        "gather",
+        "copy",
+        "copy_p",
+        "sharding_constraint",
+        "stop_gradient",
     }
 )
 
@@ -90,13 +133,16 @@ def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> dict[int, set[int]]
         # read in float32 by every consumer, all of them equations of this jaxpr (what a
         # caller or a nested body does with the value is not seen here)
         if floats and all(
-            wants32.get(v, False) and v not in outs and all(steps[k][0] == RULE for k in consumers.get(v, ())) for v in floats
+            wants32.get(v, False) and v not in outs and all(steps[k][0] == RULE for k in consumers.get(v, ()))
+            for v in floats
         ):
             wide[i] = {k for v in floats for k in consumers.get(v, ())}
     return wide
 
 
-def _plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool], out_narrow: Sequence[bool] | None = None):
+def _plan(
+    ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool], out_narrow: Sequence[bool] | None = None
+):
     steps: list[tuple[str, Any]] = []
     f32_made: set = set()  # vars computed in float32 by a float32 rule (or derived from one)
     for eqn in jaxpr.eqns:
@@ -166,7 +212,9 @@ def _plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[b
             else:
                 joins = (
                     rule is _rules.use_float32_precision
-                    or (rule in (_rules.use_input_precision, _rules.use_widest_precision) and any(v in f32 for v in ins))
+                    or (
+                        rule in (_rules.use_input_precision, _rules.use_widest_precision) and any(v in f32 for v in ins)
+                    )
                     or (rule is _rules.use_original_precision and outs32)
                 )
             if joins:
@@ -182,7 +230,9 @@ def _narrowed(ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], out_na
         if not isinstance(v, _compat.Literal):
             ok[v] = ok.get(v, True) and bool(n)
     for eqn, (kind, rule) in zip(reversed(jaxpr.eqns), reversed(steps)):
-        outs_ok = all(isinstance(v, _compat.DropVar) or ok.get(v, False) for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
+        outs_ok = all(
+            isinstance(v, _compat.DropVar) or ok.get(v, False) for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype)
+        )
         if kind == RULE and rule is _rules.use_compute_precision:
             flags = [True] * len(eqn.invars)
         elif kind == RULE and rule is _rules.use_input_precision and eqn.primitive.name in COMMUTES_WITH_ROUNDING:

@@ -67,7 +67,9 @@ class AmpPolicy(Mapping):
 def validate_policy(policy: Mapping, *, argument: str = "amp_policy") -> None:
     """Raise a TypeError naming the first bad key or rule of ``policy``."""
     if not isinstance(policy, Mapping):
-        raise TypeError(f"{argument} must be a mapping from primitives or scope names to rules, got {type(policy).__name__}.")
+        raise TypeError(
+            f"{argument} must be a mapping from primitives or scope names to rules, got {type(policy).__name__}."
+        )
     for key, rule in policy.items():
         if not isinstance(key, (_compat.Primitive, str)):
             raise TypeError(
@@ -85,7 +87,7 @@ def _key_name(key: PolicyKey) -> str:
     return key if isinstance(key, str) else key.name
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _primitives_by_name() -> dict[str, list[_compat.Primitive]]:
     return _compat.discover_primitives()
 
@@ -94,8 +96,14 @@ def _read_table(source: str | os.PathLike) -> tuple[dict[str, Any], str]:
     if isinstance(source, str) and os.sep not in source and not source.endswith(".toml"):
         resource = importlib.resources.files("autocast.policies") / f"{source}.toml"
         if not resource.is_file():
-            shipped = sorted(p.name[:-5] for p in importlib.resources.files("autocast.policies").iterdir() if p.name.endswith(".toml"))
-            raise ValueError(f"policy {source!r} is not a shipped policy; shipped: {shipped}, or pass a path to a .toml file.")
+            shipped = sorted(
+                p.name[:-5]
+                for p in importlib.resources.files("autocast.policies").iterdir()
+                if p.name.endswith(".toml")
+            )
+            raise ValueError(
+                f"policy {source!r} is not a shipped policy; shipped: {shipped}, or pass a path to a .toml file."
+            )
         return tomllib.loads(resource.read_text()), source
     with open(source, "rb") as f:
         return tomllib.load(f), os.fspath(source)
@@ -109,16 +117,22 @@ def table_categories(table: Mapping[str, Any], origin: str) -> tuple[dict[str, l
     prims = table.get("primitives", {})
     for category, names in prims.items():
         if category not in known:
-            raise ValueError(f"policy {origin}: unknown category {category!r} in [primitives]; allowed: {sorted(known)}.")
+            raise ValueError(
+                f"policy {origin}: unknown category {category!r} in [primitives]; allowed: {sorted(known)}."
+            )
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ValueError(f"policy {origin}: [primitives].{category} must be a list of primitive names.")
     scopes = table.get("scopes", {})
     for scope, category in scopes.items():
         if category not in _rules.CATEGORIES:
-            raise ValueError(f"policy {origin}: scope {scope!r} has unknown category {category!r}; allowed: {sorted(_rules.CATEGORIES)}.")
+            raise ValueError(
+                f"policy {origin}: scope {scope!r} has unknown category {category!r}; allowed: {sorted(_rules.CATEGORIES)}."
+            )
     fallback = table.get("fallback", "original")
     if fallback not in _rules.CATEGORIES:
-        raise ValueError(f"policy {origin}: fallback {fallback!r} is not a category; allowed: {sorted(_rules.CATEGORIES)}.")
+        raise ValueError(
+            f"policy {origin}: fallback {fallback!r} is not a category; allowed: {sorted(_rules.CATEGORIES)}."
+        )
     return prims, scopes, fallback
 
 
@@ -239,4 +253,3 @@ class Lookup:
         if prim in _REGISTRY:
             return _REGISTRY[prim], "registered rule"
         return self.default, "fallback"
-

@@ -46,7 +46,9 @@ whether an operand reaches only half-precision consumers: ``relu``'s ``custom_jv
 _fallback: list[Handler] = []
 
 
-def register_higher_order(prim: Any, *, pulls: PullRule | None = None, body: str | None = None) -> Callable[[Handler], Handler]:
+def register_higher_order(
+    prim: Any, *, pulls: PullRule | None = None, body: str | None = None
+) -> Callable[[Handler], Handler]:
     """Register ``handler`` for ``prim`` (a no-op when this JAX has no such primitive);
     ``body``: see :data:`NARROW_BODIES`."""
 

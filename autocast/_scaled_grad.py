@@ -40,9 +40,7 @@ __all__ = ["dynamic_scale_grad", "dynamic_scale_value_and_grad"]
 _MISSING = object()
 
 
-def _check_options(
-    name: str, has_aux: Any, redo_on_nan: Any, filter: Any, argnums: Any
-) -> None:
+def _check_options(name: str, has_aux: Any, redo_on_nan: Any, filter: Any, argnums: Any) -> None:
     if not isinstance(has_aux, bool):
         raise TypeError(f"{name}: `has_aux` must be a bool; got has_aux={has_aux!r}.")
     if not isinstance(filter, bool):
@@ -53,9 +51,7 @@ def _check_options(
             f"recomputations); got redo_on_nan={redo_on_nan!r}."
         )
     if redo_on_nan < 0:
-        raise ValueError(
-            f"{name}: `redo_on_nan` must be >= 0; got redo_on_nan={redo_on_nan}."
-        )
+        raise ValueError(f"{name}: `redo_on_nan` must be >= 0; got redo_on_nan={redo_on_nan}.")
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
     if (
         not nums
@@ -97,10 +93,7 @@ def _describe(x: Any) -> str:
 def _check_loss(name: str, out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
     if has_aux:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            raise TypeError(
-                f"{name}: with has_aux=True, `fun` must return a pair (loss, aux); "
-                f"got {_describe(out)}."
-            )
+            raise TypeError(f"{name}: with has_aux=True, `fun` must return a pair (loss, aux); got {_describe(out)}.")
         loss, aux = out
     else:
         loss, aux = out, None
@@ -158,9 +151,7 @@ def _value_and_grads(
         if not isinstance(argnums, tuple):
             grads = grads[0]
     else:
-        (_, (loss, aux)), grads = jax.value_and_grad(
-            scaled, argnums=argnums, has_aux=True
-        )(*args)
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)(*args)
     return loss, aux, state.unscale(grads)
 
 
@@ -219,6 +210,7 @@ def _scaled_value_and_grad(
         filter=filter,
         argnums=argnums,
     )
+
     # The finite check covers the gradients only: a NaN in aux is not a reason to
     # back off (jaxamp's scaler halves on it).
     def checked(state):

@@ -48,7 +48,9 @@ def multiplier(eqn: Any) -> int:
     return int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
 
 
-def walk(jaxpr: Any, scopes: tuple[str, ...] = (), path: tuple[str, ...] = (), mult: int = 1) -> Iterator[tuple[Any, tuple[str, ...], tuple[str, ...], int]]:
+def walk(
+    jaxpr: Any, scopes: tuple[str, ...] = (), path: tuple[str, ...] = (), mult: int = 1
+) -> Iterator[tuple[Any, tuple[str, ...], tuple[str, ...], int]]:
     """Every first-order equation of ``jaxpr`` at any depth, with its named scopes, its
     nesting path and how many times it runs (scan bodies: times the length; ``while``
     bodies and each ``cond`` branch: once)."""

@@ -20,8 +20,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jex_core
 import numpy as np
+from jax.extend import core as jex_core
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -52,12 +52,16 @@ def _git_commit() -> str | None:
 
     root = Path(__file__).resolve().parent.parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
-                             capture_output=True, text=True, check=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
         # results written by earlier benchmarks of the same run do not make the code dirty
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
-                                ".", ":(exclude)benchmarks/results"],
-                               cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return sha + ("+dirty" if dirty else "")
@@ -71,9 +75,8 @@ def metadata() -> dict[str, Any]:
     except (ValueError, OSError, AttributeError):
         mem_gb = None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{_cpu_model()}, {os.cpu_count()} cores"
-        + (f", {mem_gb:.0f} GiB RAM" if mem_gb else ""),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{_cpu_model()}, {os.cpu_count()} cores" + (f", {mem_gb:.0f} GiB RAM" if mem_gb else ""),
         "os": platform.platform(),
         "backend": jax.default_backend(),
         "device": f"{dev.device_kind} x{len(jax.devices())}",
@@ -179,8 +182,7 @@ def trace_lower_compile(jitted: Any, *args: Any) -> tuple[Any, dict[str, float]]
     compiled = lowered.compile()
     t3 = time.perf_counter()
     c3 = time.process_time()
-    times = {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0,
-             "total_cpu": c3 - c0}
+    times = {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0, "total_cpu": c3 - c0}
     return (lowered, compiled), times
 
 
@@ -248,10 +250,14 @@ def compiled_memory(compiled: Any) -> dict[str, int] | None:
         return None
     if ma is None:
         return None
-    keys = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-            "alias_size_in_bytes", "peak_memory_in_bytes")
-    return {k.replace("_size_in_bytes", "").replace("_in_bytes", ""): int(getattr(ma, k, 0) or 0)
-            for k in keys}
+    keys = (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "temp_size_in_bytes",
+        "alias_size_in_bytes",
+        "peak_memory_in_bytes",
+    )
+    return {k.replace("_size_in_bytes", "").replace("_in_bytes", ""): int(getattr(ma, k, 0) or 0) for k in keys}
 
 
 def device_peak_bytes() -> int | None:

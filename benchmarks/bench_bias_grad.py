@@ -46,8 +46,11 @@ def _keys(n):
 
 def jnp_dense(rows):
     k = _keys(4)
-    p = {"w": jax.random.normal(k[0], (64, 64)) / 8, "b": jax.random.normal(k[1], (64,)),
-         "w2": jax.random.normal(k[2], (64, 8)) / 8}
+    p = {
+        "w": jax.random.normal(k[0], (64, 64)) / 8,
+        "b": jax.random.normal(k[1], (64,)),
+        "w2": jax.random.normal(k[2], (64, 8)) / 8,
+    }
     x = jax.random.normal(k[3], (rows, 64))
     return (lambda p, x: _head(x @ p["w"] + p["b"], p["w2"])), p, x, lambda g: g["b"]
 
@@ -132,7 +135,10 @@ def main() -> None:
         print(name, rows[name], flush=True)
     meta = _common.metadata()
     command = "python -m benchmarks.bench_bias_grad " + " ".join(sys.argv[1:])
-    _common.write_json(_common.RESULTS_DIR / f"{args.out}.json", {"command": command, "args": vars(args), "metadata": meta, "results": rows})
+    _common.write_json(
+        _common.RESULTS_DIR / f"{args.out}.json",
+        {"command": command, "args": vars(args), "metadata": meta, "results": rows},
+    )
     lines = [
         "# Bias-gradient accuracy in bfloat16 (relative L2 error against float32)\n",
         f"Command: `{command}`\n",

@@ -133,11 +133,14 @@ def main() -> None:
     parser.add_argument("--ce-seeds", type=int, default=4)
     args = parser.parse_args()
     if args.batch in (args.in_size, args.width, args.classes):
-        parser.error(f"--batch={args.batch} must differ from the layer sizes (residuals are told apart by their batch dimension)")
+        parser.error(
+            f"--batch={args.batch} must differ from the layer sizes (residuals are told apart by their batch dimension)"
+        )
     meta = _common.metadata()
     residuals = residual_table(args)
     ce = min_cross_entropy(args)
     command = "python -m benchmarks.bench_custom_derivatives " + " ".join(sys.argv[1:])
+
     def fmt(n: float) -> str:
         return f"{n / 1024:,.1f} KiB"
 
@@ -177,7 +180,13 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     _common.write_json(
         RESULTS / "custom_derivatives.json",
-        {"meta": meta, "command": command.strip(), "config": vars(args), "residuals": residuals, "min_cross_entropy": ce},
+        {
+            "meta": meta,
+            "command": command.strip(),
+            "config": vars(args),
+            "residuals": residuals,
+            "min_cross_entropy": ce,
+        },
     )
     (RESULTS / "custom_derivatives.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

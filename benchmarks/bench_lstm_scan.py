@@ -60,8 +60,11 @@ def _cell_bf16_matmuls(cell: eqx.nn.LSTMCell, x, state):
     cost on this backend, whoever inserts the casts."""
     h, c = state
     bf16 = jnp.bfloat16
-    lin = ((cell.weight_ih.astype(bf16) @ x.astype(bf16)).astype(jnp.float32)
-           + (cell.weight_hh.astype(bf16) @ h.astype(bf16)).astype(jnp.float32) + cell.bias)
+    lin = (
+        (cell.weight_ih.astype(bf16) @ x.astype(bf16)).astype(jnp.float32)
+        + (cell.weight_hh.astype(bf16) @ h.astype(bf16)).astype(jnp.float32)
+        + cell.bias
+    )
     i, f, g, o = jnp.split(lin, 4)
     c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
     return jax.nn.sigmoid(o) * jnp.tanh(c), c
@@ -160,9 +163,12 @@ def main() -> None:
         }
         for name in losses
     }
-    _common.write_json(_common.RESULTS_DIR / f"{args.out}.json", {"command": command, "args": vars(args), "metadata": meta, "results": rows, "matmul_alone_vs_float32": matmul})
+    _common.write_json(
+        _common.RESULTS_DIR / f"{args.out}.json",
+        {"command": command, "args": vars(args), "metadata": meta, "results": rows, "matmul_alone_vs_float32": matmul},
+    )
     lines = [
-        f"# LSTM under lax.scan: step time, float32 vs autocast bfloat16\n",
+        "# LSTM under lax.scan: step time, float32 vs autocast bfloat16\n",
         f"Command: `{command}`\n",
         _common.metadata_markdown(meta),
         "Shared machine (2 cores, several agents): step times are medians of interleaved rounds.\n",

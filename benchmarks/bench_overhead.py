@@ -58,8 +58,7 @@ def _make(variant: str, static, opt, dtype):
     def step(params, opt_state, x, y):
         if variant == VARIANTS[3]:  # control: a half-precision program without the transform
             half = lambda a: a.astype(dtype) if a.dtype == jnp.float32 else a  # noqa: E731
-            (l, _), g = jax.value_and_grad(inner, has_aux=True)(
-                jax.tree_util.tree_map(half, params), half(x), y)
+            (l, _), g = jax.value_and_grad(inner, has_aux=True)(jax.tree_util.tree_map(half, params), half(x), y)
             g = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), g)
         else:
             (l, _), g = jax.value_and_grad(inner, has_aux=True)(params, x, y)
@@ -82,15 +81,14 @@ def measure_depth(depth: int, *, batch: int, repeats: int, dtype) -> dict[str, A
     args = (params, opt_state, x, y)
 
     def _plain_step(p, o, x, y):
-        (l, _), g = jax.value_and_grad(
-            lambda q: loss_fn(eqx.combine(q, static), x, y), has_aux=True)(p)
+        (l, _), g = jax.value_and_grad(lambda q: loss_fn(eqx.combine(q, static), x, y), has_aux=True)(p)
         u, o = opt.update(g, o, p)
         return optax.apply_updates(p, u), o, l
 
     n_eqns = C.count_eqns(jax.make_jaxpr(_plain_step)(*args))
     stages: dict[str, dict[str, list[float]]] = {
-        v: {"trace": [], "lower": [], "compile": [], "total": [], "total_cpu": []}
-        for v in VARIANTS}
+        v: {"trace": [], "lower": [], "compile": [], "total": [], "total_cpu": []} for v in VARIANTS
+    }
     for _ in range(repeats):
         for v in VARIANTS:  # interleaved
             _, t = C.trace_lower_compile(_make(v, static, opt, dtype), *args)
@@ -115,11 +113,9 @@ def measure_depth(depth: int, *, batch: int, repeats: int, dtype) -> dict[str, A
         "depth": depth,
         "n_eqns": n_eqns,
         "stages_s": med,
-        "ratio_trace_compile": {
-            v: med[v]["total"] / med[VARIANTS[0]]["total"] for v in VARIANTS[1:]},
+        "ratio_trace_compile": {v: med[v]["total"] / med[VARIANTS[0]]["total"] for v in VARIANTS[1:]},
         "ratio_trace": {v: med[v]["trace"] / med[VARIANTS[0]]["trace"] for v in VARIANTS[1:]},
-        "ratio_trace_compile_cpu": {
-            v: med[v]["total_cpu"] / med[VARIANTS[0]]["total_cpu"] for v in VARIANTS[1:]},
+        "ratio_trace_compile_cpu": {v: med[v]["total_cpu"] / med[VARIANTS[0]]["total_cpu"] for v in VARIANTS[1:]},
         "eager": {
             "amp_first_call_s": t_first,
             "amp_second_call_s": t_second,
@@ -143,36 +139,50 @@ def main(argv: list[str] | None = None) -> None:
     repeats = args.repeats or (1 if args.quick else 2)
     dtype = jnp.dtype(args.dtype)
     meta = C.metadata()
-    cmd = "python -m benchmarks.bench_overhead " + " ".join(
-        argv if argv is not None else sys.argv[1:])
-    print(f"bench_overhead: depths={depths} repeats={repeats} backend={meta['backend']}",
-          flush=True)
+    cmd = "python -m benchmarks.bench_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"bench_overhead: depths={depths} repeats={repeats} backend={meta['backend']}", flush=True)
     t0 = time.perf_counter()
     rows = []
     for d in depths:
         r = measure_depth(d, batch=args.batch, repeats=repeats, dtype=dtype)
         rows.append(r)
-        print(f"  depth {d}: {r['n_eqns']} eqns, trace+lower+compile ratio wall/cpu "
-              + ", ".join(f"{v} {x:.2f}/{r['ratio_trace_compile_cpu'][v]:.2f}"
-                          for v, x in r["ratio_trace_compile"].items()), flush=True)
+        print(
+            f"  depth {d}: {r['n_eqns']} eqns, trace+lower+compile ratio wall/cpu "
+            + ", ".join(
+                f"{v} {x:.2f}/{r['ratio_trace_compile_cpu'][v]:.2f}" for v, x in r["ratio_trace_compile"].items()
+            ),
+            flush=True,
+        )
     wall = time.perf_counter() - t0
     stem = "overhead" + ("_quick" if args.quick else "")
-    C.write_json(C.RESULTS_DIR / f"{stem}.json",
-                 {"command": cmd, "meta": meta, "batch": args.batch, "repeats": repeats,
-                  "dtype": args.dtype, "wall_s": wall, "results": rows})
+    C.write_json(
+        C.RESULTS_DIR / f"{stem}.json",
+        {
+            "command": cmd,
+            "meta": meta,
+            "batch": args.batch,
+            "repeats": repeats,
+            "dtype": args.dtype,
+            "wall_s": wall,
+            "results": rows,
+        },
+    )
     a, b, c, d = VARIANTS
-    md = [f"## Overhead of `amp` (desktop ViT, growing depth, {args.dtype})\n",
-          f"Command: `{cmd}` ({wall:.0f} s wall)\n", C.metadata_markdown(meta),
-          f"Medians of {repeats} interleaved repetitions, fresh function objects each time. "
-          f"`{b}` transforms the whole training step (forward, backward, AdamW); `{c}` "
-          f"differentiates `amp(loss)`; `{d}` is a control without the transform. Ratios "
-          f"are against `{a}`: trace+lower+compile wall time, then in brackets the same in "
-          "process CPU time (robust to other load on a shared machine) and trace time "
-          "alone.\n",
-          f"| depth | eqns in step | `{a}` trace / lower / compile (s) | `{b}` trace / lower / "
-          f"compile (s) | ratio wall (CPU; trace) | `{c}` trace / lower / compile (s) | ratio "
-          f"wall (CPU; trace) | `{d}` trace / lower / compile (s) | ratio wall (CPU; trace) |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    md = [
+        f"## Overhead of `amp` (desktop ViT, growing depth, {args.dtype})\n",
+        f"Command: `{cmd}` ({wall:.0f} s wall)\n",
+        C.metadata_markdown(meta),
+        f"Medians of {repeats} interleaved repetitions, fresh function objects each time. "
+        f"`{b}` transforms the whole training step (forward, backward, AdamW); `{c}` "
+        f"differentiates `amp(loss)`; `{d}` is a control without the transform. Ratios "
+        f"are against `{a}`: trace+lower+compile wall time, then in brackets the same in "
+        "process CPU time (robust to other load on a shared machine) and trace time "
+        "alone.\n",
+        f"| depth | eqns in step | `{a}` trace / lower / compile (s) | `{b}` trace / lower / "
+        f"compile (s) | ratio wall (CPU; trace) | `{c}` trace / lower / compile (s) | ratio "
+        f"wall (CPU; trace) | `{d}` trace / lower / compile (s) | ratio wall (CPU; trace) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def tlc(s):
         return f"{s['trace']:.2f} / {s['lower']:.2f} / {s['compile']:.2f}"
@@ -180,22 +190,26 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         st = r["stages_s"]
         rt, rc, rp = r["ratio_trace"], r["ratio_trace_compile"], r["ratio_trace_compile_cpu"]
-        md.append(f"| {r['depth']} | {r['n_eqns']} | {tlc(st[a])} | "
-                  + " | ".join(f"{tlc(st[v])} | **{rc[v]:.2f}** ({rp[v]:.2f}; {rt[v]:.2f})"
-                               for v in (b, c, d))
-                  + " |")
-    md += ["\nEager calls of `g = amp(loss)` (forward only, batch "
-           f"{args.batch}) against `loss` itself:\n",
-           "| depth | first call | second call | plain `loss` | second / plain | "
-           "Python calls of `loss` after 1st / 2nd | retraced on 2nd call |",
-           "|---|---|---|---|---|---|---|"]
+        md.append(
+            f"| {r['depth']} | {r['n_eqns']} | {tlc(st[a])} | "
+            + " | ".join(f"{tlc(st[v])} | **{rc[v]:.2f}** ({rp[v]:.2f}; {rt[v]:.2f})" for v in (b, c, d))
+            + " |"
+        )
+    md += [
+        f"\nEager calls of `g = amp(loss)` (forward only, batch {args.batch}) against `loss` itself:\n",
+        "| depth | first call | second call | plain `loss` | second / plain | "
+        "Python calls of `loss` after 1st / 2nd | retraced on 2nd call |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         e = r["eager"]
-        md.append(f"| {r['depth']} | {e['amp_first_call_s'] * 1e3:.0f} ms | "
-                  f"{e['amp_second_call_s'] * 1e3:.0f} ms | {e['plain_call_s'] * 1e3:.0f} ms | "
-                  f"{e['amp_second_call_s'] / e['plain_call_s']:.2f} | "
-                  f"{e['python_calls_after_first']} / {e['python_calls_after_second']} | "
-                  f"{'yes' if e['second_call_retraced'] else 'no'} |")
+        md.append(
+            f"| {r['depth']} | {e['amp_first_call_s'] * 1e3:.0f} ms | "
+            f"{e['amp_second_call_s'] * 1e3:.0f} ms | {e['plain_call_s'] * 1e3:.0f} ms | "
+            f"{e['amp_second_call_s'] / e['plain_call_s']:.2f} | "
+            f"{e['python_calls_after_first']} / {e['python_calls_after_second']} | "
+            f"{'yes' if e['second_call_retraced'] else 'no'} |"
+        )
     (C.RESULTS_DIR / f"{stem}.md").write_text("\n".join(md) + "\n")
     _plot(rows, C.RESULTS_DIR / f"{stem}.png")
     print("\n".join(md))
@@ -216,11 +230,11 @@ def _plot(rows: list[dict[str, Any]], path) -> None:
         ax1.plot(n, [r["stages_s"][v]["total"] for r in rows], "o-", label=v)
     for v in VARIANTS[1:]:
         ax2.plot(n, [r["ratio_trace_compile"][v] for r in rows], "o-", label=v)
-    ax1.set(xlabel="equations in the training step's jaxpr", ylabel="trace+lower+compile (s)",
-            title="Compile-time cost")
+    ax1.set(
+        xlabel="equations in the training step's jaxpr", ylabel="trace+lower+compile (s)", title="Compile-time cost"
+    )
     ax2.axhline(1.3, color="grey", ls="--", lw=1, label="target 1.3")
-    ax2.set(xlabel="equations in the training step's jaxpr", ylabel="ratio to jit(step)",
-            title="Overhead ratio")
+    ax2.set(xlabel="equations in the training step's jaxpr", ylabel="ratio to jit(step)", title="Overhead ratio")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

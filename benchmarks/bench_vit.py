@@ -52,8 +52,16 @@ F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 INIT_SCALE = 2.0**15
 PERIOD = 2000
 
-ALL_SYSTEMS = ("fp32", "autocast-f16", "autocast-bf16", "autocast-f16-noremat", "mpx-f16",
-               "mpx-bf16", "jmp-f16", "jaxamp-f16")
+ALL_SYSTEMS = (
+    "fp32",
+    "autocast-f16",
+    "autocast-bf16",
+    "autocast-f16-noremat",
+    "mpx-f16",
+    "mpx-bf16",
+    "jmp-f16",
+    "jaxamp-f16",
+)
 #: ``--quick`` leaves out the ablation ``autocast-f16-noremat`` (amp's ``remat_float32=False``).
 QUICK_SYSTEMS = tuple(s for s in ALL_SYSTEMS if s != "autocast-f16-noremat")
 #: Opt-in control: fp32 under ``jax.checkpoint(policy=dots_saveable)``, i.e. fp32 with a
@@ -105,8 +113,7 @@ def _select(pred, new, old):
 def _cast_floats(tree: Any, dtype: Any, kinds=(F16, BF16, F32)) -> Any:
     """Cast every array leaf whose dtype is one of ``kinds`` to ``dtype``."""
     kinds = tuple(jnp.dtype(k) for k in kinds)
-    return jax.tree_util.tree_map(
-        lambda a: a.astype(dtype) if eqx.is_array(a) and a.dtype in kinds else a, tree)
+    return jax.tree_util.tree_map(lambda a: a.astype(dtype) if eqx.is_array(a) and a.dtype in kinds else a, tree)
 
 
 class _Scale(NamedTuple):
@@ -137,8 +144,7 @@ def _fp32(static, opt) -> System:
         return _loss(eqx.combine(p, static), x, y)[0]
 
     def step(p, opt_state, scaler, x, y):
-        (l, _), g = jax.value_and_grad(lambda q: _loss(eqx.combine(q, static), x, y),
-                                       has_aux=True)(p)
+        (l, _), g = jax.value_and_grad(lambda q: _loss(eqx.combine(q, static), x, y), has_aux=True)(p)
         p, opt_state = _apply(opt, p, opt_state, g)
         return p, opt_state, scaler, l, jnp.asarray(True)
 
@@ -157,8 +163,12 @@ def _fp32_remat(static, opt) -> System:
         p, opt_state = _apply(opt, p, opt_state, g)
         return p, opt_state, scaler, l, jnp.asarray(True)
 
-    return System("fp32-remat", "fp32 under jax.checkpoint(policy=dots_saveable) (control: "
-                  "recompute without mixed precision)", step, loss)
+    return System(
+        "fp32-remat",
+        "fp32 under jax.checkpoint(policy=dots_saveable) (control: recompute without mixed precision)",
+        step,
+        loss,
+    )
 
 
 def _autocast(static, opt, dtype, remat: bool = True) -> System:
@@ -175,14 +185,14 @@ def _autocast(static, opt, dtype, remat: bool = True) -> System:
     def step(p, opt_state, scaler, x, y):
         model = eqx.combine(p, static)
         scaler, ((l, _), grads) = gfn(model, x, y, dynamic_scaler_state=scaler)
-        model, opt_state = autocast.optimizer_update(model, opt, opt_state, grads,
-                                                     scaler.grads_finite)
+        model, opt_state = autocast.optimizer_update(model, opt, opt_state, grads, scaler.grads_finite)
         return eqx.filter(model, eqx.is_array), opt_state, scaler, l, scaler.grads_finite
 
     scaler = autocast.DynamicScalerState() if dtype == F16 else autocast.NoOpScalerState()
     scaler_kind = "dynamic scaler" if dtype == F16 else "no-op scaler"
     label = f"autocast {jnp.dtype(dtype).name} ({scaler_kind}" + (
-        ")" if remat else "; ablation: amp(..., remat_float32=False))")
+        ")" if remat else "; ablation: amp(..., remat_float32=False))"
+    )
     return System(name, label, step, loss, scaler)
 
 
@@ -212,17 +222,23 @@ def _mpx_package(static, opt, dtype) -> System:
 
     def step(p, opt_state, scaler, x, y):
         model = eqx.combine(p, static)
-        (l, _), scaler, finite, grads = mpx.filter_value_and_grad(f, scaler, has_aux=True)(
-            model, x, y)
+        (l, _), scaler, finite, grads = mpx.filter_value_and_grad(f, scaler, has_aux=True)(model, x, y)
         model, opt_state = mpx.optimizer_update(model, opt, opt_state, grads, finite)
         return eqx.filter(model, eqx.is_array), opt_state, scaler, l, finite
 
-    scaler = mpx.DynamicLossScaling(loss_scaling=jnp.asarray(INIT_SCALE, F32),
-                                    min_loss_scaling=jnp.asarray(1.0, F32), period=PERIOD)
+    scaler = mpx.DynamicLossScaling(
+        loss_scaling=jnp.asarray(INIT_SCALE, F32), min_loss_scaling=jnp.asarray(1.0, F32), period=PERIOD
+    )
     name = "mpx-f16" if dtype == F16 else "mpx-bf16"
     version = C._version("mixed-precision-for-jax")
-    return System(name, f"MPX {version} package, {jnp.dtype(dtype).name}", step, loss, scaler,
-                  functools.partial(_mpx_dtype, dtype))
+    return System(
+        name,
+        f"MPX {version} package, {jnp.dtype(dtype).name}",
+        step,
+        loss,
+        scaler,
+        functools.partial(_mpx_dtype, dtype),
+    )
 
 
 def _mpx_reimpl(static, opt, dtype) -> System:
@@ -247,12 +263,12 @@ def _mpx_reimpl(static, opt, dtype) -> System:
         g = jax.tree_util.tree_map(lambda a: a.astype(F32) / scaler.scale, g)
         finite = _all_finite(g)
         new_p, new_s = _apply(opt, p, opt_state, g)
-        return (_select(finite, new_p, p), _select(finite, new_s, opt_state),
-                scaler.adjust(finite), l, finite)
+        return (_select(finite, new_p, p), _select(finite, new_s, opt_state), scaler.adjust(finite), l, finite)
 
     name = "mpx-f16" if dtype == F16 else "mpx-bf16"
-    return System(name, f"MPX approach, {jnp.dtype(dtype).name} (re-implementation in this "
-                  "script)", step, loss, _Scale.create())
+    return System(
+        name, f"MPX approach, {jnp.dtype(dtype).name} (re-implementation in this script)", step, loss, _Scale.create()
+    )
 
 
 def _jmp_package(static, opt, dtype) -> System:
@@ -288,8 +304,9 @@ def _jmp_package(static, opt, dtype) -> System:
 
     # A float32 scale: jmp's README recipe (a float16 scale) crashes in adjust (jmp#47).
     scaler = (jnp.asarray(INIT_SCALE, F32), jnp.zeros((), jnp.int32))
-    return System("jmp-f16", f"jmp {C._version('jmp')} package, policy "
-                  "params=f32,compute=f16,output=f32", step, loss, scaler)
+    return System(
+        "jmp-f16", f"jmp {C._version('jmp')} package, policy params=f32,compute=f16,output=f32", step, loss, scaler
+    )
 
 
 def _jmp_reimpl(static, opt, dtype) -> System:
@@ -313,11 +330,15 @@ def _jmp_reimpl(static, opt, dtype) -> System:
         g = jax.tree_util.tree_map(lambda a: a / scaler.scale, g)
         finite = _all_finite(g)
         new_p, new_s = _apply(opt, p, opt_state, g)
-        return (_select(finite, new_p, p), _select(finite, new_s, opt_state),
-                scaler.adjust(finite), l, finite)
+        return (_select(finite, new_p, p), _select(finite, new_s, opt_state), scaler.adjust(finite), l, finite)
 
-    return System("jmp-f16", "jmp approach, policy params=f32,compute=f16,output=f32 "
-                  "(re-implementation in this script)", step, loss, _Scale.create())
+    return System(
+        "jmp-f16",
+        "jmp approach, policy params=f32,compute=f16,output=f32 (re-implementation in this script)",
+        step,
+        loss,
+        _Scale.create(),
+    )
 
 
 def _jaxamp(static, opt, dtype) -> System:
@@ -335,8 +356,9 @@ def _jaxamp(static, opt, dtype) -> System:
         p, opt_state = _apply(opt, p, opt_state, g)
         return p, opt_state, scaler, l, jnp.asarray(True)
 
-    return System("jaxamp-f16", f"jaxamp {C._version('jaxamp')} package, float16", step, loss,
-                  jaxamp.DynamicScalerState())
+    return System(
+        "jaxamp-f16", f"jaxamp {C._version('jaxamp')} package, float16", step, loss, jaxamp.DynamicScalerState()
+    )
 
 
 def _installed(module: str) -> bool:
@@ -376,8 +398,7 @@ def _measure_one(system: System, params, opt_state, x, y, ref_loss) -> dict[str,
     out: dict[str, Any] = {"label": system.label}
     with system.context():
         jitted = jax.jit(system.step)
-        (lowered, compiled), times = C.trace_lower_compile(
-            jitted, params, opt_state, system.scaler, x, y)
+        (lowered, compiled), times = C.trace_lower_compile(jitted, params, opt_state, system.scaler, x, y)
         out["compile_s"] = times
         out["converts"] = C.count_converts(lowered, compiled)
         out["xla_memory"] = C.compiled_memory(compiled)
@@ -392,8 +413,9 @@ def _measure_one(system: System, params, opt_state, x, y, ref_loss) -> dict[str,
 
 def _peak_in_child(shape: str, system: str, batch: int, reimpl: bool) -> int | None:
     """Peak device memory of one step of ``system``, in a fresh process (GPU/TPU only)."""
-    cmd = [sys.executable, "-m", "benchmarks.bench_vit", "--_peak-child", shape, system,
-           str(batch)] + (["--reimpl"] if reimpl else [])
+    cmd = [sys.executable, "-m", "benchmarks.bench_vit", "--_peak-child", shape, system, str(batch)] + (
+        ["--reimpl"] if reimpl else []
+    )
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
@@ -422,8 +444,9 @@ def _setup(cfg: ViTConfig, batch: int):
     return params, static, opt, opt_state, x, y
 
 
-def run_size(shape: str, batch: int, names: list[str], *, repeats: int, warmup: int,
-             reimpl: bool, peak: bool) -> dict[str, Any]:
+def run_size(
+    shape: str, batch: int, names: list[str], *, repeats: int, warmup: int, reimpl: bool, peak: bool
+) -> dict[str, Any]:
     """Measure every system at one batch size; step times are interleaved."""
     cfg = SHAPES[shape]
     params, static, opt, opt_state, x, y = _setup(cfg, batch)
@@ -451,15 +474,17 @@ def run_size(shape: str, batch: int, names: list[str], *, repeats: int, warmup: 
 
         runners[name] = runner
         results[name] = res
-        print(f"  [{shape} bs={batch}] {name}: compiled in {res['compile_s']['total']:.1f}s, "
-              f"activations {C.fmt_bytes(res['residuals']['activation'])}", flush=True)
+        print(
+            f"  [{shape} bs={batch}] {name}: compiled in {res['compile_s']['total']:.1f}s, "
+            f"activations {C.fmt_bytes(res['residuals']['activation'])}",
+            flush=True,
+        )
     if runners:
         timing = C.interleaved_medians(runners, warmup=warmup, repeats=repeats)
         for name, t in timing.items():
             results[name]["step_s"] = t
     for name in runners:
-        results[name]["peak_device_bytes"] = (
-            _peak_in_child(shape, name, batch, reimpl) if peak else None)
+        results[name]["peak_device_bytes"] = _peak_in_child(shape, name, batch, reimpl) if peak else None
     return results
 
 
@@ -478,11 +503,13 @@ def summarise(shape: str, sizes: dict[int, dict[str, Any]]) -> list[str]:
     """Markdown tables: absolute numbers per batch size, then ratios."""
     lines = []
     for bs, res in sizes.items():
-        lines += [f"\n### {shape}, batch {bs}\n",
-                  "| system | step time (median) | vs fp32 | trace+lower+compile | "
-                  "activation memory | fp32 / this | XLA temp | converts StableHLO / "
-                  "optimized | loss rel. err. vs fp32 |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"\n### {shape}, batch {bs}\n",
+            "| system | step time (median) | vs fp32 | trace+lower+compile | "
+            "activation memory | fp32 / this | XLA temp | converts StableHLO / "
+            "optimized | loss rel. err. vs fp32 |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         f32 = res.get("fp32", {})
         f32_t = f32.get("step_s", {}).get("median")
         f32_a = f32.get("residuals", {}).get("activation")
@@ -499,14 +526,17 @@ def summarise(shape: str, sizes: dict[int, dict[str, Any]]) -> list[str]:
                 f"{_fmt(_ratio(t, f32_t), '.2f', 'x')} | "
                 f"{_fmt(r['compile_s']['total'], '.2f', ' s')} | {C.fmt_bytes(act)} | "
                 f"{_fmt(_ratio(f32_a, act), '.2f', 'x')} | {C.fmt_bytes(temp)} | "
-                f"{cv['stablehlo']} / {cv['optimized']} | {r['loss0_rel_err_vs_fp32']:.1e} |")
-    lines += ["\n### Ratios (same run)\n",
-              "| batch | act. fp32/autocast-f16 | act. fp32/autocast-f16-noremat | "
-              "act. fp32/fp32-remat | "
-              "act. fp32/mpx-f16 | act. fp32/jmp-f16 | act. fp32/autocast-bf16 "
-              "| step autocast-f16/mpx-f16 | step autocast-bf16/mpx-bf16 | "
-              "step autocast-f16/fp32 | compile autocast-f16/fp32 (wall; CPU) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+                f"{cv['stablehlo']} / {cv['optimized']} | {r['loss0_rel_err_vs_fp32']:.1e} |"
+            )
+    lines += [
+        "\n### Ratios (same run)\n",
+        "| batch | act. fp32/autocast-f16 | act. fp32/autocast-f16-noremat | "
+        "act. fp32/fp32-remat | "
+        "act. fp32/mpx-f16 | act. fp32/jmp-f16 | act. fp32/autocast-bf16 "
+        "| step autocast-f16/mpx-f16 | step autocast-bf16/mpx-bf16 | "
+        "step autocast-f16/fp32 | compile autocast-f16/fp32 (wall; CPU) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def g(res, name, *path):
         v = res.get(name, {})
@@ -515,10 +545,10 @@ def summarise(shape: str, sizes: dict[int, dict[str, Any]]) -> list[str]:
         return v if isinstance(v, (int, float)) else None
 
     for bs, res in sizes.items():
-        act = lambda n: g(res, n, "residuals", "activation")  # noqa: E731
-        st = lambda n: g(res, n, "step_s", "median")  # noqa: E731
-        ct = lambda n: g(res, n, "compile_s", "total")  # noqa: E731
-        cc = lambda n: g(res, n, "compile_s", "total_cpu")  # noqa: E731
+        act = lambda n: g(res, n, "residuals", "activation")  # noqa: B023
+        st = lambda n: g(res, n, "step_s", "median")  # noqa: B023
+        ct = lambda n: g(res, n, "compile_s", "total")  # noqa: B023
+        cc = lambda n: g(res, n, "compile_s", "total_cpu")  # noqa: B023
         lines.append(
             f"| {bs} | {_fmt(_ratio(act('fp32'), act('autocast-f16')), '.2f', 'x')} | "
             f"{_fmt(_ratio(act('fp32'), act('autocast-f16-noremat')), '.2f', 'x')} | "
@@ -530,7 +560,8 @@ def summarise(shape: str, sizes: dict[int, dict[str, Any]]) -> list[str]:
             f"{_fmt(_ratio(st('autocast-bf16'), st('mpx-bf16')), '.3f')} | "
             f"{_fmt(_ratio(st('autocast-f16'), st('fp32')), '.3f')} | "
             f"{_fmt(_ratio(ct('autocast-f16'), ct('fp32')), '.2f')}; "
-            f"{_fmt(_ratio(cc('autocast-f16'), cc('fp32')), '.2f')} |")
+            f"{_fmt(_ratio(cc('autocast-f16'), cc('fp32')), '.2f')} |"
+        )
     return lines
 
 
@@ -542,20 +573,22 @@ def plot(shape: str, sizes: dict[int, dict[str, Any]], path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    names = sorted({n for res in sizes.values() for n, r in res.items() if "error" not in r},
-                   key=(ALL_SYSTEMS + EXTRA_SYSTEMS).index)
+    names = sorted(
+        {n for res in sizes.values() for n, r in res.items() if "error" not in r},
+        key=(ALL_SYSTEMS + EXTRA_SYSTEMS).index,
+    )
     for name in names:
         bss = [bs for bs, res in sizes.items() if "step_s" in res.get(name, {})]
         if not bss:
             continue
-        axes[0].plot(bss, [sizes[b][name]["residuals"]["activation"] / 2**20 for b in bss],
-                     "o-", label=name)
-        axes[1].plot(bss, [sizes[b][name]["step_s"]["median"] * 1e3 for b in bss], "o-",
-                     label=name)
-    axes[0].set(xlabel="batch size", ylabel="activation memory (MiB, vjp residuals)",
-                title=f"ViT-{shape}: activation memory")
-    axes[1].set(xlabel="batch size", ylabel=f"step time (ms, {jax.default_backend()})",
-                title=f"ViT-{shape}: training step time")
+        axes[0].plot(bss, [sizes[b][name]["residuals"]["activation"] / 2**20 for b in bss], "o-", label=name)
+        axes[1].plot(bss, [sizes[b][name]["step_s"]["median"] * 1e3 for b in bss], "o-", label=name)
+    axes[0].set(
+        xlabel="batch size", ylabel="activation memory (MiB, vjp residuals)", title=f"ViT-{shape}: activation memory"
+    )
+    axes[1].set(
+        xlabel="batch size", ylabel=f"step time (ms, {jax.default_backend()})", title=f"ViT-{shape}: training step time"
+    )
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -568,17 +601,25 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="desktop")
     ap.add_argument("--sizes", type=int, nargs="+", help="batch sizes to sweep")
-    ap.add_argument("--quick", action="store_true",
-                    help="desktop shape, batch 8, 1 warm-up + 3 rounds (< 2 min on CPU)")
-    ap.add_argument("--systems", nargs="+", choices=ALL_SYSTEMS + EXTRA_SYSTEMS,
-                    help="default: all (--quick: all but autocast-f16-noremat)")
+    ap.add_argument(
+        "--quick", action="store_true", help="desktop shape, batch 8, 1 warm-up + 3 rounds (< 2 min on CPU)"
+    )
+    ap.add_argument(
+        "--systems",
+        nargs="+",
+        choices=ALL_SYSTEMS + EXTRA_SYSTEMS,
+        help="default: all (--quick: all but autocast-f16-noremat)",
+    )
     ap.add_argument("--repeats", type=int, help="timed rounds per batch size")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--reimpl", action="store_true",
-                    help="use this script's re-implementations of MPX and jmp even if "
-                    "the packages are installed")
-    ap.add_argument("--no-peak", action="store_true",
-                    help="skip the per-system subprocess that reads peak device memory")
+    ap.add_argument(
+        "--reimpl",
+        action="store_true",
+        help="use this script's re-implementations of MPX and jmp even if the packages are installed",
+    )
+    ap.add_argument(
+        "--no-peak", action="store_true", help="skip the per-system subprocess that reads peak device memory"
+    )
     ap.add_argument("--out", help="output file stem (default vit_<shape>[_quick])")
     ap.add_argument("--_peak-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -601,28 +642,37 @@ def main(argv: list[str] | None = None) -> None:
     stem = args.out or f"vit_{args.shape}" + ("_quick" if args.quick else "")
     meta = C.metadata()
     cmd = "python -m benchmarks.bench_vit " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(f"bench_vit: shape={args.shape} sizes={sizes} backend={meta['backend']} "
-          f"({meta['device']})", flush=True)
+    print(f"bench_vit: shape={args.shape} sizes={sizes} backend={meta['backend']} ({meta['device']})", flush=True)
     t0, c0 = time.perf_counter(), time.process_time()
     results: dict[int, dict[str, Any]] = {}
     for bs in sizes:
-        results[bs] = run_size(args.shape, bs, args.systems, repeats=repeats,
-                               warmup=args.warmup, reimpl=args.reimpl, peak=peak)
+        results[bs] = run_size(
+            args.shape, bs, args.systems, repeats=repeats, warmup=args.warmup, reimpl=args.reimpl, peak=peak
+        )
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     cfg = SHAPES[args.shape]
-    data = {"command": cmd, "meta": meta, "shape": args.shape, "config": cfg.__dict__,
-            "repeats": repeats, "warmup": args.warmup, "wall_s": wall, "cpu_s": cpu,
-            "results": {str(k): v for k, v in results.items()}}
+    data = {
+        "command": cmd,
+        "meta": meta,
+        "shape": args.shape,
+        "config": cfg.__dict__,
+        "repeats": repeats,
+        "warmup": args.warmup,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "results": {str(k): v for k, v in results.items()},
+    }
     C.write_json(C.RESULTS_DIR / f"{stem}.json", data)
-    md = [f"## ViT-{args.shape} training step ({cfg.image_size}x{cfg.image_size}, patch "
-          f"{cfg.patch}, width {cfg.width}, MLP {cfg.mlp_hidden}, {cfg.depth} blocks, "
-          f"{cfg.heads} heads, {cfg.classes} classes)\n",
-          f"Command: `{cmd}` ({wall:.0f} s wall, {cpu:.0f} s CPU)\n",
-          C.metadata_markdown(meta),
-          f"Step time: median of {repeats} interleaved rounds after {args.warmup} warm-up "
-          "calls. Activation memory: bytes of vjp residuals computed from the batch. "
-          "Peak device memory: "
-          + ("in the JSON." if peak else "not reported by this backend.")]
+    md = [
+        f"## ViT-{args.shape} training step ({cfg.image_size}x{cfg.image_size}, patch "
+        f"{cfg.patch}, width {cfg.width}, MLP {cfg.mlp_hidden}, {cfg.depth} blocks, "
+        f"{cfg.heads} heads, {cfg.classes} classes)\n",
+        f"Command: `{cmd}` ({wall:.0f} s wall, {cpu:.0f} s CPU)\n",
+        C.metadata_markdown(meta),
+        f"Step time: median of {repeats} interleaved rounds after {args.warmup} warm-up "
+        "calls. Activation memory: bytes of vjp residuals computed from the batch. "
+        "Peak device memory: " + ("in the JSON." if peak else "not reported by this backend."),
+    ]
     labels = {n: r["label"] for res in results.values() for n, r in res.items() if "label" in r}
     md += ["\nSystems:\n"] + [f"- `{n}`: {lbl}" for n, lbl in labels.items()]
     md += summarise(args.shape, results)

@@ -49,8 +49,9 @@ from benchmarks import _common as C
 from benchmarks.vit import ViT, ViTConfig, loss_fn
 
 #: The demo model: 8x8 grey images, 2x2 patches (16 tokens + cls), width 64, 4 blocks.
-DIGITS_VIT = ViTConfig(image_size=8, channels=1, patch=2, width=64, mlp_hidden=128, depth=4,
-                       heads=4, classes=10, pool="cls")
+DIGITS_VIT = ViTConfig(
+    image_size=8, channels=1, patch=2, width=64, mlp_hidden=128, depth=4, heads=4, classes=10, pool="cls"
+)
 
 #: The seeds of the default run; each fixes the split, the initialisation and the batch order.
 DEFAULT_SEEDS = (0, 1, 2)
@@ -70,8 +71,7 @@ def load_digits(seed: int = 0) -> tuple[np.ndarray, ...]:
     data = _load()
     x = (data.images.astype(np.float32) / 16.0)[:, None]
     y = data.target.astype(np.int32)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=seed,
-                                              stratify=y)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
     mean, std = x_tr.mean(), x_tr.std()
     return (x_tr - mean) / std, y_tr, (x_te - mean) / std, y_te
 
@@ -106,21 +106,18 @@ def _make_step(static, opt, dtype):
     if dtype is None:
 
         def step(params, opt_state, scaler, x, y):
-            (loss, _), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
-                eqx.combine(params, static), x, y)
+            (loss, _), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(eqx.combine(params, static), x, y)
             updates, opt_state = opt.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, scaler, loss, True
 
         return jax.jit(step)
 
-    grad_fn = autocast.dynamic_scale_value_and_grad(
-        autocast.amp(loss_fn, compute_dtype=dtype), has_aux=True)
+    grad_fn = autocast.dynamic_scale_value_and_grad(autocast.amp(loss_fn, compute_dtype=dtype), has_aux=True)
 
     def step(params, opt_state, scaler, x, y):
         model = eqx.combine(params, static)
         scaler, ((loss, _), grads) = grad_fn(model, x, y, dynamic_scaler_state=scaler)
-        model, opt_state = autocast.optimizer_update(model, opt, opt_state, grads,
-                                                     scaler.grads_finite)
+        model, opt_state = autocast.optimizer_update(model, opt, opt_state, grads, scaler.grads_finite)
         return eqx.filter(model, eqx.is_array), opt_state, scaler, loss, scaler.grads_finite
 
     return jax.jit(step)
@@ -141,7 +138,7 @@ def _make_eval(static, dtype):
 def _evaluate(evaluate, params, x, y, batch: int = 512) -> tuple[float, float]:
     tot_loss = tot_correct = 0.0
     for i in range(0, len(x), batch):
-        l_, c_ = evaluate(params, x[i:i + batch], y[i:i + batch])
+        l_, c_ = evaluate(params, x[i : i + batch], y[i : i + batch])
         tot_loss += float(l_)
         tot_correct += float(c_)
     return tot_loss / len(x), tot_correct / len(x)
@@ -160,14 +157,29 @@ def _setup(dtype, static, params, opt, x, y) -> dict[str, Any]:
     functions see the same shapes and compile once.
     """
     loss_for_memory = loss_fn if dtype is None else autocast.amp(loss_fn, compute_dtype=dtype)
-    act = C.residual_bytes(lambda p, x, y: loss_for_memory(eqx.combine(p, static), x, y)[0],
-                           params, jnp.asarray(x), jnp.asarray(y))["activation"]
-    return {"static": static, "step": _make_step(static, opt, dtype),
-            "evaluate": _make_eval(static, dtype), "activation_bytes": act}
+    act = C.residual_bytes(
+        lambda p, x, y: loss_for_memory(eqx.combine(p, static), x, y)[0], params, jnp.asarray(x), jnp.asarray(y)
+    )["activation"]
+    return {
+        "static": static,
+        "step": _make_step(static, opt, dtype),
+        "evaluate": _make_eval(static, dtype),
+        "activation_bytes": act,
+    }
 
 
-def train(name: str, dtype, data, *, seed: int, steps: int, batch: int, opt,
-          scale_patience: int, cache: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def train(
+    name: str,
+    dtype,
+    data,
+    *,
+    seed: int,
+    steps: int,
+    batch: int,
+    opt,
+    scale_patience: int,
+    cache: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
     """Train one run for one seed; returns its metrics and per-step curves.
 
     ``cache`` holds the compiled functions of each run type (filled on first use), so
@@ -179,8 +191,9 @@ def train(name: str, dtype, data, *, seed: int, steps: int, batch: int, opt,
         cache[name] = _setup(dtype, static, params, opt, x_tr[:batch], y_tr[:batch])
     shared = cache[name]
     if not eqx.tree_equal(static, shared["static"]):
-        raise RuntimeError("the model's non-array part differs between seeds; the shared "
-                           "compiled step would run the wrong model")
+        raise RuntimeError(
+            "the model's non-array part differs between seeds; the shared compiled step would run the wrong model"
+        )
     opt_state = opt.init(params)
     if dtype is None:
         scaler = None
@@ -189,14 +202,13 @@ def train(name: str, dtype, data, *, seed: int, steps: int, batch: int, opt,
     else:
         scaler = autocast.NoOpScalerState()
     rng = np.random.default_rng(seed)  # the same batch order for every run of this seed
-    order = np.concatenate([rng.permutation(len(x_tr))
-                            for _ in range(steps * batch // len(x_tr) + 2)])
+    order = np.concatenate([rng.permutation(len(x_tr)) for _ in range(steps * batch // len(x_tr) + 2)])
 
     step = shared["step"]
     losses, scales, times, skipped = [], [], [], 0
     bar = _progress(steps, f"seed {seed} {name:>8}")
     for i in range(steps):
-        idx = order[i * batch:(i + 1) * batch]
+        idx = order[i * batch : (i + 1) * batch]
         xb, yb = jnp.asarray(x_tr[idx]), jnp.asarray(y_tr[idx])
         t0 = time.perf_counter()
         params, opt_state, scaler, loss, finite = C.block(step(params, opt_state, scaler, xb, yb))
@@ -207,8 +219,7 @@ def train(name: str, dtype, data, *, seed: int, steps: int, batch: int, opt,
             scales.append(float(scaler.scaler))
         bar.update(1)
         if i % 20 == 0 or i == steps - 1:
-            bar.set_postfix_str(f"loss {losses[-1]:.3f}"
-                                + (f" scale {scales[-1]:.0f}" if scales else ""))
+            bar.set_postfix_str(f"loss {losses[-1]:.3f}" + (f" scale {scales[-1]:.0f}" if scales else ""))
     bar.close()
 
     train_loss, train_acc = _evaluate(shared["evaluate"], params, x_tr, y_tr)
@@ -239,25 +250,27 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rs = [r for r in results if r["run"] == name]
         accs = [r["test_acc"] for r in rs]
         diffs = [100 * (r["test_acc"] - ref[r["seed"]]) for r in rs] if ref else None
-        out.append({
-            "run": name,
-            "compute_dtype": rs[0]["compute_dtype"],
-            "seeds": [r["seed"] for r in rs],
-            "test_acc_per_seed": accs,
-            "test_acc_mean": statistics.mean(accs),
-            "test_acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-            "test_acc_min": min(accs),
-            "test_acc_max": max(accs),
-            "diff_vs_fp32_points_per_seed": diffs,
-            "diff_vs_fp32_points_mean": statistics.mean(diffs) if diffs else None,
-            "train_loss_per_seed": [r["train_loss"] for r in rs],
-            "train_loss_mean": statistics.mean(r["train_loss"] for r in rs),
-            "median_step_s_per_seed": [r["median_step_s"] for r in rs],
-            "median_step_s_mean": statistics.mean(r["median_step_s"] for r in rs),
-            "activation_bytes": rs[0]["activation_bytes"],
-            "skipped_steps_per_seed": [r["skipped_steps"] for r in rs],
-            "final_scale_per_seed": [r["final_scale"] for r in rs],
-        })
+        out.append(
+            {
+                "run": name,
+                "compute_dtype": rs[0]["compute_dtype"],
+                "seeds": [r["seed"] for r in rs],
+                "test_acc_per_seed": accs,
+                "test_acc_mean": statistics.mean(accs),
+                "test_acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                "test_acc_min": min(accs),
+                "test_acc_max": max(accs),
+                "diff_vs_fp32_points_per_seed": diffs,
+                "diff_vs_fp32_points_mean": statistics.mean(diffs) if diffs else None,
+                "train_loss_per_seed": [r["train_loss"] for r in rs],
+                "train_loss_mean": statistics.mean(r["train_loss"] for r in rs),
+                "median_step_s_per_seed": [r["median_step_s"] for r in rs],
+                "median_step_s_mean": statistics.mean(r["median_step_s"] for r in rs),
+                "activation_bytes": rs[0]["activation_bytes"],
+                "skipped_steps_per_seed": [r["skipped_steps"] for r in rs],
+                "final_scale_per_seed": [r["final_scale"] for r in rs],
+            }
+        )
     return out
 
 
@@ -269,13 +282,19 @@ def verdict(summary: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     within = {s["run"]: abs(s["diff_vs_fp32_points_mean"]) <= 1.0 + 1e-9 for s in others}
     n = len(ref["seeds"])
-    parts = ", ".join(f"{s['run']} {100 * s['test_acc_mean']:.2f} % "
-                      f"({s['diff_vs_fp32_points_mean']:+.2f} points)" for s in others)
+    parts = ", ".join(
+        f"{s['run']} {100 * s['test_acc_mean']:.2f} % ({s['diff_vs_fp32_points_mean']:+.2f} points)" for s in others
+    )
     missed = [name for name, ok in within.items() if not ok]
-    conclusion = ("within 1 point of fp32: target met" if not missed
-                  else f"{' and '.join(missed)} not within 1 point of fp32: target missed")
-    text = (f"Verdict ({n} seed{'s' if n > 1 else ''}): mean test accuracy fp32 "
-            f"{100 * ref['test_acc_mean']:.2f} %, {parts} -> {conclusion}")
+    conclusion = (
+        "within 1 point of fp32: target met"
+        if not missed
+        else f"{' and '.join(missed)} not within 1 point of fp32: target missed"
+    )
+    text = (
+        f"Verdict ({n} seed{'s' if n > 1 else ''}): mean test accuracy fp32 "
+        f"{100 * ref['test_acc_mean']:.2f} %, {parts} -> {conclusion}"
+    )
     return {"text": text, "within_one_point": within}
 
 
@@ -293,10 +312,12 @@ def _fmt_diff(d: float | None) -> str:
 def table(summary: list[dict[str, Any]]) -> str:
     """The summary markdown table: one row per run type, numbers over all seeds."""
     seeds = " / ".join(str(s) for s in summary[0]["seeds"])
-    rows = [f"| run | test accuracy, seeds {seeds} | mean | min – max | vs fp32, mean of per-seed "
-            "differences (points) | final train loss (mean) | median step time (mean) | "
-            "activation memory | skipped steps per seed | final loss scale per seed |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        f"| run | test accuracy, seeds {seeds} | mean | min – max | vs fp32, mean of per-seed "
+        "differences (points) | final train loss (mean) | median step time (mean) | "
+        "activation memory | skipped steps per seed | final loss scale per seed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for s in summary:
         accs = " / ".join(f"{100 * a:.2f}" for a in s["test_acc_per_seed"])
         rows.append(
@@ -306,23 +327,26 @@ def table(summary: list[dict[str, Any]]) -> str:
             f"{s['train_loss_mean']:.4f} | {s['median_step_s_mean'] * 1e3:.2f} ms | "
             f"{C.fmt_bytes(s['activation_bytes'])} | "
             f"{' / '.join(str(k) for k in s['skipped_steps_per_seed'])} | "
-            f"{' / '.join(_fmt_scale(x) for x in s['final_scale_per_seed'])} |")
+            f"{' / '.join(_fmt_scale(x) for x in s['final_scale_per_seed'])} |"
+        )
     return "\n".join(rows)
 
 
 def seed_table(results: list[dict[str, Any]]) -> str:
     """Every run of every seed, one row each."""
     ref = {r["seed"]: r["test_acc"] for r in results if r["run"] == "fp32"}
-    rows = ["| seed | run | test accuracy | vs fp32 (points) | final train loss | "
-            "median step time | skipped steps | final loss scale |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| seed | run | test accuracy | vs fp32 (points) | final train loss | "
+        "median step time | skipped steps | final loss scale |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(results, key=lambda r: r["seed"]):  # stable: keeps the run order
-        d = (100 * (r["test_acc"] - ref[r["seed"]])
-             if r["seed"] in ref and r["run"] != "fp32" else None)
+        d = 100 * (r["test_acc"] - ref[r["seed"]]) if r["seed"] in ref and r["run"] != "fp32" else None
         rows.append(
             f"| {r['seed']} | {r['run']} | {100 * r['test_acc']:.2f} % | {_fmt_diff(d)} | "
             f"{r['train_loss']:.4f} | {r['median_step_s'] * 1e3:.2f} ms | "
-            f"{r['skipped_steps']} | {_fmt_scale(r['final_scale'])} |")
+            f"{r['skipped_steps']} | {_fmt_scale(r['final_scale'])} |"
+        )
     return "\n".join(rows)
 
 
@@ -351,8 +375,12 @@ def plot(results: list[dict[str, Any]], summary: list[dict[str, Any]], path) -> 
             ax2.plot(r["scales"], label=f"{r['run']} (dynamic)", color="C1")
         elif r["compute_dtype"] == "bfloat16":
             ax2.plot(np.ones(len(losses)), "--", label=f"{r['run']} (no scaling)", color="C2")
-    ax1.set(xlabel="step", ylabel="train loss (moving average)", yscale="log",
-            title=f"Digits ViT, seed {seed}: training loss")
+    ax1.set(
+        xlabel="step",
+        ylabel="train loss (moving average)",
+        yscale="log",
+        title=f"Digits ViT, seed {seed}: training loss",
+    )
     ax2.set(xlabel="step", ylabel="loss scale", yscale="log", title=f"Loss scale (seed {seed})")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
@@ -367,8 +395,7 @@ def plot(results: list[dict[str, Any]], summary: list[dict[str, Any]], path) -> 
 def _write_json(path, data: Any) -> None:
     """Indented JSON with every list of plain numbers on one line (the curves are long)."""
     text = json.dumps(data, indent=2, default=str)
-    text = re.sub(r"\[\n\s+([^\[\]{}\"]*?)\n\s*\]",
-                  lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+    text = re.sub(r"\[\n\s+([^\[\]{}\"]*?)\n\s*\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n")
 
@@ -379,18 +406,26 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
     seeds = ap.add_mutually_exclusive_group()
-    seeds.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
-                       help="each seed fixes the train/test split, the initialisation and the "
-                       "batch order, shared by the runs (default: 0 1 2)")
+    seeds.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        metavar="SEED",
+        help="each seed fixes the train/test split, the initialisation and the "
+        "batch order, shared by the runs (default: 0 1 2)",
+    )
     seeds.add_argument("--seed", type=int, help="a single seed: the same as --seeds SEED")
-    ap.add_argument("--scale-patience", type=int, default=200,
-                    help="finite steps before the f16 loss scale grows (autocast's default "
-                    "is 2000; shorter here so the plot shows the scaler at work)")
+    ap.add_argument(
+        "--scale-patience",
+        type=int,
+        default=200,
+        help="finite steps before the f16 loss scale grows (autocast's default "
+        "is 2000; shorter here so the plot shows the scaler at work)",
+    )
     ap.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     ap.add_argument("--out", default="demo", help="file stem in benchmarks/results/")
     args = ap.parse_args(argv)
-    args.seeds = ([args.seed] if args.seed is not None
-                  else args.seeds if args.seeds is not None else list(DEFAULT_SEEDS))
+    args.seeds = [args.seed] if args.seed is not None else args.seeds if args.seeds is not None else list(DEFAULT_SEEDS)
     del args.seed
     if any(not 0 <= s < 2**32 for s in args.seeds) or len(set(args.seeds)) < len(args.seeds):
         ap.error(f"--seeds: got {args.seeds}; give distinct integers in [0, 2**32)")
@@ -407,24 +442,38 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     t_start = time.perf_counter()
     args = _parse(argv)
     meta = C.metadata()
-    cmd = " ".join(["python -m benchmarks.demo",
-                    *(argv if argv is not None else sys.argv[1:])])
-    print(f"Digits ViT demo on {meta['backend']} ({meta['device']}), jax "
-          f"{meta['versions']['jax']}: {args.steps} steps x batch {args.batch} per run, "
-          f"seeds {' '.join(map(str, args.seeds))}", flush=True)
+    cmd = " ".join(["python -m benchmarks.demo", *(argv if argv is not None else sys.argv[1:])])
+    print(
+        f"Digits ViT demo on {meta['backend']} ({meta['device']}), jax "
+        f"{meta['versions']['jax']}: {args.steps} steps x batch {args.batch} per run, "
+        f"seeds {' '.join(map(str, args.seeds))}",
+        flush=True,
+    )
     opt = _optimizer(args.steps, args.lr)
     cache: dict[str, dict[str, Any]] = {}
     results = []
     for seed in args.seeds:
         data = load_digits(seed)
         n_test = len(data[3])
-        print(f"seed {seed}: {len(data[0])} train / {len(data[2])} test images "
-              "(scikit-learn digits)", flush=True)
-        done = [train(name, RUNS[name], data, seed=seed, steps=args.steps, batch=args.batch,
-                      opt=opt, scale_patience=args.scale_patience, cache=cache)
-                for name in args.runs]
-        print(f"seed {seed}: test accuracy "
-              + ", ".join(f"{r['run']} {100 * r['test_acc']:.2f} %" for r in done), flush=True)
+        print(f"seed {seed}: {len(data[0])} train / {len(data[2])} test images (scikit-learn digits)", flush=True)
+        done = [
+            train(
+                name,
+                RUNS[name],
+                data,
+                seed=seed,
+                steps=args.steps,
+                batch=args.batch,
+                opt=opt,
+                scale_patience=args.scale_patience,
+                cache=cache,
+            )
+            for name in args.runs
+        ]
+        print(
+            f"seed {seed}: test accuracy " + ", ".join(f"{r['run']} {100 * r['test_acc']:.2f} %" for r in done),
+            flush=True,
+        )
         results += done
 
     summary = summarise(results)
@@ -436,9 +485,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if verdict_:
         print(verdict_["text"])
     print(f"wall time {wall / 60:.1f} min", flush=True)
-    _write_json(C.RESULTS_DIR / f"{args.out}.json",
-                {"command": cmd, "meta": meta, "args": vars(args), "wall_time_s": wall,
-                 "verdict": verdict_, "summary": summary, "results": results})
+    _write_json(
+        C.RESULTS_DIR / f"{args.out}.json",
+        {
+            "command": cmd,
+            "meta": meta,
+            "args": vars(args),
+            "wall_time_s": wall,
+            "verdict": verdict_,
+            "summary": summary,
+            "results": results,
+        },
+    )
     (C.RESULTS_DIR / f"{args.out}.md").write_text(
         f"## Digits ViT demo\n\nCommand: `{cmd}`\n\n{C.metadata_markdown(meta)}"
         f"- wall time: {wall / 60:.1f} min ({len(args.seeds)} seeds x {len(args.runs)} runs "
@@ -450,8 +508,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         f"excludes each run's first step; each run type compiles once, in its first seed. "
         f"*vs fp32*: test accuracy minus fp32's of the same seed, in points (one test image "
         f"is {100 / n_test:.2f} points).\n\n{md}\n\n"
-        f"Per seed:\n\n{per_seed}\n"
-        + (f"\n{verdict_['text']}\n" if verdict_ else ""))
+        f"Per seed:\n\n{per_seed}\n" + (f"\n{verdict_['text']}\n" if verdict_ else "")
+    )
     png = C.RESULTS_DIR / f"{args.out}.png"
     if plot(results, summary, png):
         print(f"wrote {png}")

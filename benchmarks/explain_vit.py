@@ -61,10 +61,18 @@ def _hunt() -> list[tuple[str, str]]:
         ("amp loss (float16)", str(autocast.amp(hunt_model)(params, x))),
         ("autocast.find_overflow(hunt_model)(params, x)", str(autocast.find_overflow(hunt_model)(params, x))),
         ("amp loss after the fix", str(autocast.amp(hunt_model_fixed)(params, x))),
-        ("autocast.find_overflow(hunt_model_fixed)(params, x)", str(autocast.find_overflow(hunt_model_fixed)(params, x))),
-        ("autocast.find_overflow(hunt_model_fixed, grad=True)(params, x)", str(autocast.find_overflow(hunt_model_fixed, grad=True)(params, x))),
-        ("autocast.find_overflow(hunt_model_fixed, grad=True, scale=2.0**8)(params, x)",
-         str(autocast.find_overflow(hunt_model_fixed, grad=True, scale=2.0**8)(params, x))),
+        (
+            "autocast.find_overflow(hunt_model_fixed)(params, x)",
+            str(autocast.find_overflow(hunt_model_fixed)(params, x)),
+        ),
+        (
+            "autocast.find_overflow(hunt_model_fixed, grad=True)(params, x)",
+            str(autocast.find_overflow(hunt_model_fixed, grad=True)(params, x)),
+        ),
+        (
+            "autocast.find_overflow(hunt_model_fixed, grad=True, scale=2.0**8)(params, x)",
+            str(autocast.find_overflow(hunt_model_fixed, grad=True, scale=2.0**8)(params, x)),
+        ),
     ]
     return steps
 
@@ -125,7 +133,7 @@ def main() -> None:
         "meets (JAX's per-primitive cache); later calls reuse those that recur.",
         "",
     ]
-    for title, kwargs, secs, found in hunts:
+    for title, _kwargs, secs, found in hunts:
         md += [f"### {title}: {secs:.1f} s", "", "```", str(found), "```", ""]
     md += ["## A worked overflow hunt (`hunt_model` in benchmarks/explain_vit.py)", ""]
     for title, text_ in hunt:
@@ -142,7 +150,8 @@ def main() -> None:
             "explain_seconds": t_explain,
             "explanation": report.to_dict(),
             "find_overflow": [
-                {"title": t, "kwargs": k, "seconds": s, "findings": [f.__dict__ for f in found]} for t, k, s, found in hunts
+                {"title": t, "kwargs": k, "seconds": s, "findings": [f.__dict__ for f in found]}
+                for t, k, s, found in hunts
             ],
         },
     )

@@ -37,10 +37,10 @@ class ViTConfig:
 #: The ViT shapes of the MPX paper (arXiv 2507.03312, section 5). The paper gives no
 #: head count for "desktop"; 8 heads (head dim 32) is our choice.
 SHAPES: dict[str, ViTConfig] = {
-    "desktop": ViTConfig(image_size=32, channels=3, patch=4, width=256, mlp_hidden=800,
-                         depth=6, heads=8, classes=100),
-    "base": ViTConfig(image_size=224, channels=3, patch=16, width=768, mlp_hidden=3072,
-                      depth=12, heads=12, classes=1000),
+    "desktop": ViTConfig(image_size=32, channels=3, patch=4, width=256, mlp_hidden=800, depth=6, heads=8, classes=100),
+    "base": ViTConfig(
+        image_size=224, channels=3, patch=16, width=768, mlp_hidden=3072, depth=12, heads=12, classes=1000
+    ),
 }
 
 
@@ -82,13 +82,10 @@ class ViT(eqx.Module):
         keys = jax.random.split(key, cfg.depth + 4)
         n_patches = (cfg.image_size // cfg.patch) ** 2
         n_tokens = n_patches + (cfg.pool == "cls")
-        self.patch_embed = eqx.nn.Conv2d(cfg.channels, cfg.width, cfg.patch,
-                                         stride=cfg.patch, key=keys[0])
-        self.cls_token = (0.02 * jax.random.normal(keys[1], (1, cfg.width))
-                          if cfg.pool == "cls" else None)
+        self.patch_embed = eqx.nn.Conv2d(cfg.channels, cfg.width, cfg.patch, stride=cfg.patch, key=keys[0])
+        self.cls_token = 0.02 * jax.random.normal(keys[1], (1, cfg.width)) if cfg.pool == "cls" else None
         self.pos_embed = 0.02 * jax.random.normal(keys[2], (n_tokens, cfg.width))
-        self.blocks = tuple(_Block(cfg.width, cfg.mlp_hidden, cfg.heads, key=k)
-                            for k in keys[4:])
+        self.blocks = tuple(_Block(cfg.width, cfg.mlp_hidden, cfg.heads, key=k) for k in keys[4:])
         self.ln = eqx.nn.LayerNorm(cfg.width)
         self.head = eqx.nn.Linear(cfg.width, cfg.classes, key=keys[3])
         self.pool = cfg.pool

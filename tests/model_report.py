@@ -19,7 +19,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
-
 import test_models_equinox as eqx_models  # noqa: E402
 import test_models_flax as flax_models  # noqa: E402
 from test_models_equinox import HALF_DTYPES, census_counts, measure  # noqa: E402

@@ -81,7 +81,9 @@ def test_mlp_loss_and_grads_close_to_float32(dtype):
     loss_tol, grad_tol = TOL[dtype]
     ref_l, ref_g = jax.jit(jax.value_and_grad(_mlp_loss))(params, x, y)
     l, g = jax.jit(jax.value_and_grad(amp(_mlp_loss, compute_dtype=dtype)))(params, x, y)
-    assert l.dtype == jnp.float32 and jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a: a.dtype == jnp.float32, g))
+    assert l.dtype == jnp.float32 and jax.tree_util.tree_all(
+        jax.tree_util.tree_map(lambda a: a.dtype == jnp.float32, g)
+    )
     assert abs(float(l - ref_l)) / float(ref_l) < loss_tol
     assert tree_max_rel_err(g, ref_g) < grad_tol
 

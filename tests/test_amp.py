@@ -160,7 +160,9 @@ def test_rule_returning_int_for_float_operand_is_a_clear_error():
     def to_int(compute_dtype, original_dtypes, *invars, **params):
         return [x.astype(jnp.int32) for x in invars], params
 
-    with pytest.raises(TypeError, match=r"rule .*to_int.* for primitive 'tanh' returned dtype int32 for operand 0, a floating operand"):
+    with pytest.raises(
+        TypeError, match=r"rule .*to_int.* for primitive 'tanh' returned dtype int32 for operand 0, a floating operand"
+    ):
         amp(_f, amp_policy=autocast.extend_policy({jax.lax.tanh_p: to_int}))(W, X)
 
 

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import walk
 
 import autocast
-from helpers import walk
 
 BF16 = jnp.bfloat16
 TOL = 1e-2
@@ -43,7 +43,11 @@ def _keys(n):
 
 def case_jnp():
     k = _keys(4)
-    p = {"w": jax.random.normal(k[0], (64, 64)) / 8, "b": jax.random.normal(k[1], (64,)), "w2": jax.random.normal(k[2], (64, 8)) / 8}
+    p = {
+        "w": jax.random.normal(k[0], (64, 64)) / 8,
+        "b": jax.random.normal(k[1], (64,)),
+        "w2": jax.random.normal(k[2], (64, 8)) / 8,
+    }
     x = jax.random.normal(k[3], (8192, 64))
 
     def loss(p, x):
@@ -135,7 +139,9 @@ def test_bias_gradient_matches_float32(name):
     err = _rel(got, want)
     assert err <= TOL, f"{name}: bias gradient relative error {err:.2e} in bfloat16 (float32 reference), want <= {TOL}"
     half_sums = [
-        str(e) for e, _ in walk(grad_jaxpr) if e.primitive.name == "reduce_sum" and e.invars[0].aval.dtype != jnp.float32
+        str(e)
+        for e, _ in walk(grad_jaxpr)
+        if e.primitive.name == "reduce_sum" and e.invars[0].aval.dtype != jnp.float32
     ]
     assert not half_sums, f"{name}: the backward pass sums in half precision: {half_sums}"
 

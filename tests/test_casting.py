@@ -25,10 +25,7 @@ def _mlp(params, x):
 
 def _params(key, sizes=(8, 16, 16, 4)):
     keys = jax.random.split(key, len(sizes))
-    return [
-        (jax.random.normal(k, (m, n)) / np.sqrt(m), jnp.zeros(n))
-        for k, m, n in zip(keys, sizes[:-1], sizes[1:])
-    ]
+    return [(jax.random.normal(k, (m, n)) / np.sqrt(m), jnp.zeros(n)) for k, m, n in zip(keys, sizes[:-1], sizes[1:])]
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -42,7 +39,10 @@ def test_matmuls_and_convs_run_in_compute_dtype(dtype):
 
     args = (jnp.ones((4, 4)), jnp.ones((3, 3, 2, 2)), jnp.ones((2, 4)), jnp.ones((1, 5, 5, 2)))
     counts = compute_op_dtypes(amp(f, compute_dtype=dtype), *args)
-    assert counts == {("dot_general", np.dtype(dtype).name, False): 3, ("conv_general_dilated", np.dtype(dtype).name, False): 1}
+    assert counts == {
+        ("dot_general", np.dtype(dtype).name, False): 3,
+        ("conv_general_dilated", np.dtype(dtype).name, False): 1,
+    }
     for eqn, _ in _eqns(amp(f, compute_dtype=dtype), *args):
         if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
             assert set(operand_dtypes(eqn)) == {np.dtype(dtype).name}
@@ -141,7 +141,10 @@ def test_amp_stop_keeps_traced_precision_everywhere_inside():
     n_half = n_stop = 0
     for eqn, scopes in _eqns(amp(f), jnp.ones((4, 4)), jnp.ones((2, 4))):
         if "amp_stop" in scopes and eqn.primitive.name not in ("convert_element_type",):
-            assert all(d in ("float32", "int32", "bool") for d in operand_dtypes(eqn)), (eqn.primitive, operand_dtypes(eqn))
+            assert all(d in ("float32", "int32", "bool") for d in operand_dtypes(eqn)), (
+                eqn.primitive,
+                operand_dtypes(eqn),
+            )
             n_stop += eqn.primitive.name == "dot_general"
         elif eqn.primitive.name == "dot_general":
             assert operand_dtypes(eqn) == ("float16", "float16")
@@ -181,7 +184,12 @@ def test_integer_bool_and_key_values_are_bit_identical():
         k2 = jax.random.split(key)[0]
         return y.sum(), n * 3 + idx.sum(), jnp.logical_not(mask), jax.random.key_data(k2), n.astype(jnp.float32) * 2, r
 
-    args = (jnp.arange(9.0).reshape(3, 3) / 7, jnp.array([1, 2, 3], jnp.int32), jnp.array([True, False]), jax.random.key(3))
+    args = (
+        jnp.arange(9.0).reshape(3, 3) / 7,
+        jnp.array([1, 2, 3], jnp.int32),
+        jnp.array([True, False]),
+        jax.random.key(3),
+    )
     ref = f(*args)
     out = amp(f)(*args)
     for r, o in zip(ref[1:4], out[1:4]):
@@ -296,7 +304,9 @@ def test_scatter_family_follows_half_operands_and_matches_float32(dtype, mode):
     x = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
     idx = jnp.array([0, 1, 1, 3, 5]) if mode != "mul" else jnp.array([0, 1, 2, 3, 5])  # mul: grads need unique indices
     scatters = [e for e, _ in _eqns(amp(f, compute_dtype=dtype), w, x, idx) if e.primitive.name.startswith("scatter")]
-    assert scatters and all(operand_dtypes(e)[0] == jnp.dtype(dtype).name for e in scatters), [operand_dtypes(e) for e in scatters]
+    assert scatters and all(operand_dtypes(e)[0] == jnp.dtype(dtype).name for e in scatters), [
+        operand_dtypes(e) for e in scatters
+    ]
     assert all(operand_dtypes(e)[1] == "int32" for e in scatters)  # indices untouched
     ref, got = f(w, x, idx), amp(f, compute_dtype=dtype)(w, x, idx)
     assert got.dtype == jnp.float32

@@ -15,21 +15,17 @@ import jax.numpy as jnp
 import jaxamp as real
 import numpy as np
 import pytest
+from helpers import walk
 
 import autocast
 import autocast.compat.jaxamp as jaxamp
-from helpers import walk
 
 PUBLIC = sorted(n for n in dir(real) if not n.startswith("_"))
 
 
 def _dtypes_of(prim_name, fn, *args):
     jaxpr = jax.make_jaxpr(fn)(*args)
-    return [
-        tuple(str(v.aval.dtype) for v in eqn.invars)
-        for eqn, _ in walk(jaxpr)
-        if eqn.primitive.name == prim_name
-    ]
+    return [tuple(str(v.aval.dtype) for v in eqn.invars) for eqn, _ in walk(jaxpr) if eqn.primitive.name == prim_name]
 
 
 # ---------------------------------------------------------------------------------
@@ -39,12 +35,26 @@ def _dtypes_of(prim_name, fn, *args):
 
 def test_every_public_jaxamp_name_exists_with_jaxamps_signature():
     assert PUBLIC == [
-        "DynamicScalerState", "amp", "amp_stop", "default_amp_policy", "dynamic_scale_grad",
-        "dynamic_scale_tx", "dynamic_scale_value_and_grad", "use_compute_precision", "use_original_precision",
+        "DynamicScalerState",
+        "amp",
+        "amp_stop",
+        "default_amp_policy",
+        "dynamic_scale_grad",
+        "dynamic_scale_tx",
+        "dynamic_scale_value_and_grad",
+        "use_compute_precision",
+        "use_original_precision",
     ]
     assert set(PUBLIC) <= set(jaxamp.__all__) and jaxamp.__version__ == real.__version__
-    for name in ("amp", "amp_stop", "dynamic_scale_grad", "dynamic_scale_value_and_grad", "dynamic_scale_tx",
-                 "use_compute_precision", "use_original_precision"):
+    for name in (
+        "amp",
+        "amp_stop",
+        "dynamic_scale_grad",
+        "dynamic_scale_value_and_grad",
+        "dynamic_scale_tx",
+        "use_compute_precision",
+        "use_original_precision",
+    ):
         ours = inspect.signature(getattr(jaxamp, name)).parameters
         theirs = inspect.signature(getattr(real, name)).parameters
         var_kw = [p for p, v in theirs.items() if v.kind is v.VAR_KEYWORD]  # **bind_params / **params
@@ -153,7 +163,11 @@ def test_amp_stop_scopes_and_compute_dtype():
         return jax.named_scope("head")(lambda h: h @ w)(h)
 
     w, _, x = _params()
-    assert _dtypes_of("dot_general", jaxamp.amp(f), w, x) == [("float16", "float16"), ("float32", "float32"), ("float16", "float16")]
+    assert _dtypes_of("dot_general", jaxamp.amp(f), w, x) == [
+        ("float16", "float16"),
+        ("float32", "float32"),
+        ("float16", "float16"),
+    ]
     policy = jaxamp.default_amp_policy | {"head": jaxamp.use_original_precision}
     assert _dtypes_of("dot_general", jaxamp.amp(f, amp_policy=policy), w, x)[2] == ("float32", "float32")
     bf16 = jaxamp.amp(compute_dtype=jnp.bfloat16)(f)
@@ -200,7 +214,9 @@ def test_scale_has_a_floor_and_recovers():
     def always_nan(p):
         return jnp.sum(p) * jnp.nan
 
-    theirs, _ = real.dynamic_scale_grad(always_nan, redo_on_nan=200)(jnp.ones(2), dynamic_scaler_state=real.DynamicScalerState())
+    theirs, _ = real.dynamic_scale_grad(always_nan, redo_on_nan=200)(
+        jnp.ones(2), dynamic_scaler_state=real.DynamicScalerState()
+    )
     assert float(theirs.scaler) == 0.0  # jaxamp: the scale decays to 0 and never recovers
     grad_nan = jax.jit(jaxamp.dynamic_scale_grad(always_nan, redo_on_nan=200))
     ours, grads = grad_nan(jnp.ones(2), dynamic_scaler_state=jaxamp.DynamicScalerState(patience=1))
@@ -215,7 +231,9 @@ def test_scale_has_a_floor_and_recovers():
 
 def test_scale_never_grows_to_inf():
     small = jnp.full(2, 1e-3)
-    theirs, _ = real.dynamic_scale_grad(_loss)(small, small, dynamic_scaler_state=real.DynamicScalerState(patience=0, scaler=2.0**127))
+    theirs, _ = real.dynamic_scale_grad(_loss)(
+        small, small, dynamic_scaler_state=real.DynamicScalerState(patience=0, scaler=2.0**127)
+    )
     assert np.isinf(float(theirs.scaler))  # jaxamp
     state = jaxamp.DynamicScalerState(patience=0, scaler=2.0**24)
     ours, _ = jaxamp.dynamic_scale_grad(_loss)(small, small, dynamic_scaler_state=state)
@@ -228,7 +246,9 @@ def test_loss_value_is_exact_and_only_gradients_are_checked():
 
     x = jnp.float16(2.0)
     state = jaxamp.DynamicScalerState(scaler=2.0)
-    theirs, ((value, _), grad) = real.dynamic_scale_value_and_grad(big, has_aux=True, redo_on_nan=0)(x, dynamic_scaler_state=real.DynamicScalerState(scaler=2.0))
+    theirs, ((value, _), grad) = real.dynamic_scale_value_and_grad(big, has_aux=True, redo_on_nan=0)(
+        x, dynamic_scaler_state=real.DynamicScalerState(scaler=2.0)
+    )
     assert np.isinf(float(value)) and float(theirs.scaler) == 1.0  # jaxamp: 80000 overflows float16
     assert grad.dtype == jnp.float32  # jaxamp: the scale's dtype
     ours, ((value, aux), grad) = jaxamp.dynamic_scale_value_and_grad(big, has_aux=True)(x, dynamic_scaler_state=state)
@@ -244,8 +264,12 @@ def test_redo_on_nan_finds_the_largest_safe_scale_like_jaxamp():
 
     x = jnp.float16(2.0)
     for name in ("dynamic_scale_grad", "dynamic_scale_value_and_grad"):
-        ours, g_ours = getattr(jaxamp, name)(cube, redo_on_nan=100)(x, dynamic_scaler_state=jaxamp.DynamicScalerState(patience=10))
-        theirs, g_theirs = getattr(real, name)(cube, redo_on_nan=100)(x, dynamic_scaler_state=real.DynamicScalerState(patience=10))
+        ours, g_ours = getattr(jaxamp, name)(cube, redo_on_nan=100)(
+            x, dynamic_scaler_state=jaxamp.DynamicScalerState(patience=10)
+        )
+        theirs, g_theirs = getattr(real, name)(cube, redo_on_nan=100)(
+            x, dynamic_scaler_state=real.DynamicScalerState(patience=10)
+        )
         assert _values(ours) == _values(theirs) == (2.0**12, 1, 3)
         assert [float(v) for v in jax.tree.leaves(g_ours)] == [float(v) for v in jax.tree.leaves(g_theirs)]
 
@@ -255,8 +279,12 @@ def test_dynamic_scale_tx_matches_jaxamp_on_a_hessian():
         return jnp.sum(jnp.sin(x) * x**2)
 
     x = jnp.linspace(-1.0, 1.0, 4)
-    ours, h_ours = jax.jit(jaxamp.dynamic_scale_tx(jax.hessian)(f))(x, dynamic_scaler_state=jaxamp.DynamicScalerState(patience=0, scaler=2.0**8))
-    theirs, h_theirs = jax.jit(real.dynamic_scale_tx(jax.hessian)(f))(x, dynamic_scaler_state=real.DynamicScalerState(patience=0, scaler=2.0**8))
+    ours, h_ours = jax.jit(jaxamp.dynamic_scale_tx(jax.hessian)(f))(
+        x, dynamic_scaler_state=jaxamp.DynamicScalerState(patience=0, scaler=2.0**8)
+    )
+    theirs, h_theirs = jax.jit(real.dynamic_scale_tx(jax.hessian)(f))(
+        x, dynamic_scaler_state=real.DynamicScalerState(patience=0, scaler=2.0**8)
+    )
     np.testing.assert_allclose(h_ours, jax.jit(jax.hessian(f))(x), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(h_ours, h_theirs)
     assert _values(ours) == _values(theirs) == (2.0**9, 0, 0)
@@ -275,7 +303,9 @@ def test_filter_true_differentiates_equinox_modules():
     def loss(model, x):
         return jnp.mean(jax.vmap(model)(x) ** 2)
 
-    state, (value, grads) = eqx.filter_jit(jaxamp.dynamic_scale_value_and_grad(loss))(model, x, dynamic_scaler_state=jaxamp.DynamicScalerState())
+    state, (value, grads) = eqx.filter_jit(jaxamp.dynamic_scale_value_and_grad(loss))(
+        model, x, dynamic_scaler_state=jaxamp.DynamicScalerState()
+    )
     ref_value, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, x)
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):

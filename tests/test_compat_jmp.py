@@ -28,8 +28,16 @@ def test_every_name_jmp_exports_exists_with_jmps_parameters():
     assert set(real.__all__) <= set(jmp.__all__)
     assert jmp.__version__ == real.__version__ == "0.0.4"
     callables = (
-        "get_policy", "cast_to_full", "cast_to_half", "half_dtype", "all_finite", "select_tree",
-        "Policy", "StaticLossScale", "DynamicLossScale", "NoOpLossScale",
+        "get_policy",
+        "cast_to_full",
+        "cast_to_half",
+        "half_dtype",
+        "all_finite",
+        "select_tree",
+        "Policy",
+        "StaticLossScale",
+        "DynamicLossScale",
+        "NoOpLossScale",
     )
     for name in callables:
         ours, theirs = inspect.signature(getattr(jmp, name)), inspect.signature(getattr(real, name))
@@ -54,9 +62,23 @@ def test_every_name_jmp_exports_exists_with_jmps_parameters():
 # ---------------------------------------------------------------------------------
 
 GOOD_POLICIES = [
-    "float32", "full", "f32", "half", "float16", "f16", "bf16", "bfloat16",
-    "c=f16", "c=half", "p=f16", "p=f16,c=f32", "c=bf16,o=full", "p=f32,c=f16,o=f32",
-    "params=bfloat16,compute=float16,output=float32", "o=f16", "c=f16,p=bf16",
+    "float32",
+    "full",
+    "f32",
+    "half",
+    "float16",
+    "f16",
+    "bf16",
+    "bfloat16",
+    "c=f16",
+    "c=half",
+    "p=f16",
+    "p=f16,c=f32",
+    "c=bf16,o=full",
+    "p=f32,c=f16,o=f32",
+    "params=bfloat16,compute=float16,output=float32",
+    "o=f16",
+    "c=f16,p=bf16",
 ]
 
 
@@ -169,7 +191,9 @@ def test_policy_drives_a_mixed_precision_step_close_to_float32():
 # ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [lambda m: m.StaticLossScale(2.0**10), lambda m: m.DynamicLossScale(jnp.float32(2.0**10))])
+@pytest.mark.parametrize(
+    "make", [lambda m: m.StaticLossScale(2.0**10), lambda m: m.DynamicLossScale(jnp.float32(2.0**10))]
+)
 def test_scale_and_unscale_match_jmp_on_float32(make):
     tree = {"a": jnp.linspace(-3.0, 3.0, 7), "b": jnp.float32(0.1)}
     ours, theirs = make(jmp), make(real)
@@ -317,8 +341,14 @@ def test_select_tree_keeps_non_array_leaves():
 
 
 def test_all_finite_matches_jmp_and_ignores_non_float_leaves():
-    for tree in ({}, None, {"a": jnp.ones(2)}, {"a": jnp.ones(2), "b": jnp.array([1.0, jnp.nan])},
-                 {"a": jnp.array(jnp.inf, jnp.float16)}, {"i": jnp.arange(3), "f": jnp.ones(1)}):
+    for tree in (
+        {},
+        None,
+        {"a": jnp.ones(2)},
+        {"a": jnp.ones(2), "b": jnp.array([1.0, jnp.nan])},
+        {"a": jnp.array(jnp.inf, jnp.float16)},
+        {"i": jnp.arange(3), "f": jnp.ones(1)},
+    ):
         assert bool(jmp.all_finite(tree)) == bool(real.all_finite(tree))
     with pytest.raises(TypeError):
         real.all_finite({"act": jax.nn.relu, "w": jnp.ones(2)})

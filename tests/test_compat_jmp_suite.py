@@ -17,7 +17,11 @@ def _run_suite(*args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "jmp_suite.py"), *args],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -14,9 +14,9 @@ import mpx
 import numpy as np
 import optax
 import pytest
+from helpers import compute_op_dtypes, tree_max_rel_err, walk
 
 import autocast.compat.mpx as ampx
-from helpers import compute_op_dtypes, tree_max_rel_err, walk
 
 F16_MAX = 65504.0
 BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
@@ -36,8 +36,9 @@ def _fields(tree):
     """Scaling states of either library as a tuple of their MPX fields."""
     kinds = (ampx.DynamicLossScaling, mpx.DynamicLossScaling)
     as_tuple = lambda s: (s.loss_scaling, s.min_loss_scaling, s.counter, s.factor, s.period)
-    return jax.tree.map(lambda s: as_tuple(s) if isinstance(s, kinds) else s, tree,
-                        is_leaf=lambda s: isinstance(s, kinds))
+    return jax.tree.map(
+        lambda s: as_tuple(s) if isinstance(s, kinds) else s, tree, is_leaf=lambda s: isinstance(s, kinds)
+    )
 
 
 def _assert_same(a, b):
@@ -113,7 +114,7 @@ def test_every_public_mpx_name_exists_with_compatible_signature():
             if param.default is not inspect.Parameter.empty and pname != "return_dtype":
                 assert p_ours[pname].default == param.default, (name, pname)
         # Our extras are keyword-only or defaulted, so MPX calls still bind.
-        for pname in list(p_ours)[len(p_theirs):]:
+        for pname in list(p_ours)[len(p_theirs) :]:
             assert p_ours[pname].default is not inspect.Parameter.empty, (name, pname)
 
 
@@ -180,8 +181,13 @@ def test_cast_tree_leaves_keys_and_plain_objects_alone():
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")
 def test_cast_helpers_match_mpx():
     tree = _mixed_tree()
-    for name in ["cast_to_float32", "cast_to_float16", "cast_to_bfloat16", "cast_to_full_precision",
-                 "cast_to_half_precision"]:
+    for name in [
+        "cast_to_float32",
+        "cast_to_float16",
+        "cast_to_bfloat16",
+        "cast_to_full_precision",
+        "cast_to_half_precision",
+    ]:
         _assert_same(getattr(ampx, name)(tree), getattr(mpx, name)(tree))
     assert ampx.cast_to_half_precision(tree)["f32"].dtype == jnp.float16
     assert ampx.cast_to_half_precision(tree, half_dtype="bf16")["f32"].dtype == jnp.bfloat16
@@ -388,7 +394,9 @@ def test_all_finite_and_select_tree_match_mpx():
     for pred in [True, False]:
         _assert_same(ampx.select_tree(jnp.array(pred), good, bad), mpx.select_tree(jnp.array(pred), good, bad))
     # Non-array leaves (an activation function) come from the first tree; MPX fails there.
-    out = ampx.select_tree(jnp.array(False), {"f": jax.nn.relu, "w": jnp.ones(1)}, {"f": jax.nn.relu, "w": jnp.zeros(1)})
+    out = ampx.select_tree(
+        jnp.array(False), {"f": jax.nn.relu, "w": jnp.ones(1)}, {"f": jax.nn.relu, "w": jnp.zeros(1)}
+    )
     assert out["f"] is jax.nn.relu and float(out["w"][0]) == 0.0
 
 

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import walk
 
 import autocast
-from helpers import walk
 
 HALF = [jnp.float16, jnp.bfloat16]
 
@@ -68,12 +68,19 @@ def test_label_logit_is_gathered_from_the_same_float32_value():
     params, x = _mlp(1, 1.0, n=64)
     y = jnp.argmax(_logits(params, x), -1)
     closed = jax.make_jaxpr(autocast.amp(_per_example_ce, remat_float32=False))(params, x, y)
-    gathers = [str(e.invars[0].aval.dtype) for e, _ in walk(closed) if e.primitive.name == "gather" and "float" in str(e.invars[0].aval.dtype)]
+    gathers = [
+        str(e.invars[0].aval.dtype)
+        for e, _ in walk(closed)
+        if e.primitive.name == "gather" and "float" in str(e.invars[0].aval.dtype)
+    ]
     assert gathers and set(gathers) == {"float32"}, gathers
     logits_shape = (64, 10)
     converts = [
-        e for e, _ in walk(closed)
-        if e.primitive.name == "convert_element_type" and e.invars[0].aval.shape == logits_shape and e.params["new_dtype"] == jnp.float32
+        e
+        for e, _ in walk(closed)
+        if e.primitive.name == "convert_element_type"
+        and e.invars[0].aval.shape == logits_shape
+        and e.params["new_dtype"] == jnp.float32
     ]
     assert len(converts) == 1, f"{len(converts)} converts of the logits to float32"
 
@@ -91,8 +98,11 @@ def test_two_nested_jits_read_one_float32_value():
 
     closed = jax.make_jaxpr(autocast.amp(f, remat_float32=False))(w, x)
     converts = [
-        e for e, _ in walk(closed)
-        if e.primitive.name == "convert_element_type" and e.invars[0].aval.shape == (32, 8) and e.params["new_dtype"] == jnp.float32
+        e
+        for e, _ in walk(closed)
+        if e.primitive.name == "convert_element_type"
+        and e.invars[0].aval.shape == (32, 8)
+        and e.params["new_dtype"] == jnp.float32
     ]
     assert len(converts) == 1, converts
     jits = [e for e in closed.jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
@@ -115,7 +125,11 @@ def test_float32_consumer_outside_sees_into_the_jit_body():
 
     closed = jax.make_jaxpr(autocast.amp(f))(w, x)
     (jit,) = [e for e in closed.jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
-    body = collections.Counter((e.primitive.name, str(e.outvars[0].aval.dtype)) for e, _ in walk(jit.params["jaxpr"]) if e.primitive.name in ("mul", "add"))
+    body = collections.Counter(
+        (e.primitive.name, str(e.outvars[0].aval.dtype))
+        for e, _ in walk(jit.params["jaxpr"])
+        if e.primitive.name in ("mul", "add")
+    )
     assert body == collections.Counter({("mul", "float32"): 1, ("add", "float32"): 1}), body
     np.testing.assert_allclose(autocast.amp(f)(w, x), f(w, x), rtol=2e-3)
 
@@ -152,8 +166,11 @@ def test_scan_reads_its_inputs_from_one_float32_value():
 
     closed = jax.make_jaxpr(autocast.amp(f, remat_float32=False))(w, x)
     converts = [
-        e for e, _ in walk(closed)
-        if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == jnp.float32 and e.invars[0].aval.shape in ((32, 8), (8,))
+        e
+        for e, _ in walk(closed)
+        if e.primitive.name == "convert_element_type"
+        and e.params["new_dtype"] == jnp.float32
+        and e.invars[0].aval.shape in ((32, 8), (8,))
     ]
     assert len(converts) == 1, converts
     (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]

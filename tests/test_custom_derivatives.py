@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tree_max_rel_err, walk
 from jax.ad_checkpoint import print_saved_residuals
 from jax.custom_derivatives import SymbolicZero
 
 import autocast
-from helpers import tree_max_rel_err, walk
 
 HALF = [jnp.float16, jnp.bfloat16]
 # amp vs float32 gradients of these small functions (float16 operands of size ~1): measured
@@ -81,7 +81,11 @@ def test_relu_call_stays_half(name):
         floats = [str(v.aval.dtype) for v in (*e.invars, *e.outvars) if str(v.aval.dtype).startswith("float")]
         assert "float16" in floats and set(floats) <= {"float16"} | ({"float32"} if name == "relu6" else set()), floats
         assert [str(v.aval.dtype) for v in e.outvars] == ["float16"]
-    converts = [e for e, _ in walk(closed) if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == jnp.float32]
+    converts = [
+        e
+        for e, _ in walk(closed)
+        if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == jnp.float32
+    ]
     assert len(converts) == 1, converts  # only the output of the function
 
 

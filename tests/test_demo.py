@@ -38,8 +38,11 @@ def smoke(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(C, "RESULTS_DIR", out)
     mp.setattr(demo, "load_digits", _synthetic_digits)
-    mp.setattr(demo, "DIGITS_VIT", ViTConfig(image_size=8, channels=1, patch=4, width=16,
-                                             mlp_hidden=32, depth=1, heads=2, classes=10))
+    mp.setattr(
+        demo,
+        "DIGITS_VIT",
+        ViTConfig(image_size=8, channels=1, patch=4, width=16, mlp_hidden=32, depth=1, heads=2, classes=10),
+    )
     mp.setattr(demo, "plot", lambda *a: False)
     make_step = demo._make_step
 
@@ -50,8 +53,7 @@ def smoke(tmp_path_factory):
     mp.setattr(demo, "_make_step", counting_make_step)
     try:
         # fp32 and bf16 only: compiling the f16 step (loss scaler) would double the time
-        results = demo.main(["--steps", "6", "--batch", "16", "--seeds", "0", "1",
-                             "--runs", *RUNS])
+        results = demo.main(["--steps", "6", "--batch", "16", "--seeds", "0", "1", "--runs", *RUNS])
     finally:
         mp.undo()
     data = json.loads((out / "demo.json").read_text())
@@ -101,18 +103,20 @@ def test_summary_is_paired_per_seed_and_verdict_follows_it(smoke):
     assert data["verdict"]["text"].startswith("Verdict (2 seeds)")
 
 
-@pytest.mark.parametrize("argv, seeds", [([], [0, 1, 2]), (["--seed", "3"], [3]),
-                                         (["--seeds", "4", "0"], [4, 0])])
+@pytest.mark.parametrize("argv, seeds", [([], [0, 1, 2]), (["--seed", "3"], [3]), (["--seeds", "4", "0"], [4, 0])])
 def test_seed_options(argv, seeds):
     assert demo._parse(argv).seeds == seeds
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--seed", "1", "--seeds", "2"], "not allowed with"),
-    (["--seeds", "1", "1"], "--seeds: got [1, 1]"),
-    (["--seeds", "-1"], "--seeds: got [-1]"),
-    (["--steps", "0"], "--steps: got 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seed", "1", "--seeds", "2"], "not allowed with"),
+        (["--seeds", "1", "1"], "--seeds: got [1, 1]"),
+        (["--seeds", "-1"], "--seeds: got [-1]"),
+        (["--steps", "0"], "--steps: got 0"),
+    ],
+)
 def test_bad_options_are_rejected_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         demo._parse(argv)

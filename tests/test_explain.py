@@ -63,7 +63,9 @@ def _matmul_operand_dtypes(fn, *args):
     """(lhs dtype) of every dot_general at any depth of make_jaxpr(fn), independent of explain."""
     from tests.helpers import walk
 
-    return [str(e.invars[0].aval.dtype) for e, _ in walk(jax.make_jaxpr(fn)(*args)) if e.primitive.name == "dot_general"]
+    return [
+        str(e.invars[0].aval.dtype) for e, _ in walk(jax.make_jaxpr(fn)(*args)) if e.primitive.name == "dot_general"
+    ]
 
 
 def test_nested_bodies_show_their_path_and_count():
@@ -120,7 +122,9 @@ def test_reasons():
     finally:
         autocast.unregister_rule(jax.lax.tanh_p)
     # A plain-dict policy without a default: the fallback.
-    rows = autocast.explain(lambda x: jnp.sin(x @ x), amp_policy={jax.lax.dot_general_p: autocast.use_compute_precision})(jnp.ones((4, 4))).rows
+    rows = autocast.explain(
+        lambda x: jnp.sin(x @ x), amp_policy={jax.lax.dot_general_p: autocast.use_compute_precision}
+    )(jnp.ones((4, 4))).rows
     assert [(r["why"].split(";")[0], r["rule"]) for r in rows if r["primitive"] == "sin"] == [("fallback", "original")]
 
 
@@ -198,7 +202,9 @@ def test_saved_bytes_agree_with_jax_residual_accounting():
                 continue
             for v in eqn.outvars:
                 if v.aval.dtype in (jnp.float16, jnp.float32, jnp.bfloat16):
-                    out[str(v.aval.dtype)] = out.get(str(v.aval.dtype), 0) + int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
+                    out[str(v.aval.dtype)] = (
+                        out.get(str(v.aval.dtype), 0) + int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
+                    )
         return out
 
     inter = report.totals["intermediate_bytes"]

@@ -9,20 +9,19 @@ one and the comparison with ``jax.grad`` of the original function (same rules) w
 
 from __future__ import annotations
 
-import functools
-
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import compute_op_dtypes, tree_max_rel_err, walk
 from jax.ad_checkpoint import print_saved_residuals
 from jax.experimental import io_callback
 
 import autocast
 from autocast import _compat
-from helpers import compute_op_dtypes, tree_max_rel_err, walk
 
 F16 = jnp.float16
 # amp vs float32 for these small functions (operands of size ~1, float16 matmuls, sums
@@ -155,7 +154,9 @@ def test_custom_vjp_inside_jit_and_scan_under_amp():
         return jnp.sum(jax.jit(lambda h: h @ w.T)(h))
 
     ref = jax.grad(f)(w, x)
-    true = jax.grad(lambda w, x: jnp.sum(jax.lax.scan(lambda h, _: (jnp.tanh(h @ (3.0 * w)), None), x, None, length=2)[0] @ w.T))(w, x)
+    true = jax.grad(
+        lambda w, x: jnp.sum(jax.lax.scan(lambda h, _: (jnp.tanh(h @ (3.0 * w)), None), x, None, length=2)[0] @ w.T)
+    )(w, x)
     assert tree_max_rel_err(true, ref) > 0.1, "the clip must be active for this test to mean anything"
     got = jax.grad(autocast.amp(f))(w, x)
     assert tree_max_rel_err(got, ref) < GRAD_TOL
@@ -178,7 +179,13 @@ def test_checkpoint_policy_param_is_kept():
     remats = [e for e, _ in walk(closed) if e.primitive.name in ("checkpoint", "remat2", "remat")]
     assert any(e.params.get("policy") is policy for e in remats), [e.params.get("policy") for e in remats]
     # and its body's matmuls are half precision
-    inner = [str(e.invars[0].aval.dtype) for r in remats if r.params.get("policy") is policy for e, _ in walk(r.params["jaxpr"]) if e.primitive.name == "dot_general"]
+    inner = [
+        str(e.invars[0].aval.dtype)
+        for r in remats
+        if r.params.get("policy") is policy
+        for e, _ in walk(r.params["jaxpr"])
+        if e.primitive.name == "dot_general"
+    ]
     assert inner and set(inner) == {"float16"}, inner
     assert tree_max_rel_err(jax.grad(autocast.amp(f))(w, x), jax.grad(f)(w, x)) < GRAD_TOL
 
@@ -345,6 +352,7 @@ def test_random_key_ops_untouched(make_key):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert abs(float(v_got) - float(v_ref)) < GRAD_TOL * abs(float(v_ref))
+
     # the key-typed values in the transformed jaxpr are exactly those of the original
     def key_avals(fn):
         closed = jax.make_jaxpr(fn)(w, x, key)
@@ -393,7 +401,9 @@ def test_amp_stop_inside_jit_scan_cond():
     fn = autocast.amp(lambda w, x: _nested(w, x, autocast.amp_stop))
     census = compute_op_dtypes(fn, w, x)
     # in jit, scan and cond: one float32 matmul inside amp_stop, one float16 outside
-    assert census == collections.Counter({("dot_general", "float32", True): 3, ("dot_general", "float16", False): 3}), census
+    assert census == collections.Counter({("dot_general", "float32", True): 3, ("dot_general", "float16", False): 3}), (
+        census
+    )
     got, ref = fn(w, x), _nested(w, x, autocast.amp_stop)
     assert abs(float(got) - float(ref)) < GRAD_TOL * abs(float(ref))
     # also under grad: the backward matmuls of the amp_stop region stay float32
@@ -413,7 +423,9 @@ def test_amp_stop_decorator_inside_scan_body():
         return jnp.sum(c)
 
     census = compute_op_dtypes(autocast.amp(f), w, x)
-    assert census == collections.Counter({("dot_general", "float32", True): 1, ("dot_general", "float16", False): 1}), census
+    assert census == collections.Counter({("dot_general", "float32", True): 1, ("dot_general", "float16", False): 1}), (
+        census
+    )
 
 
 def test_named_scope_rule_inside_jit_scan_cond():
@@ -422,7 +434,9 @@ def test_named_scope_rule_inside_jit_scan_cond():
     fn = autocast.amp(lambda w, x: _nested(w, x, lambda: jax.named_scope("precise_dot")), amp_policy=policy)
     closed = jax.make_jaxpr(fn)(w, x)
     by_scope = collections.Counter(
-        ("precise_dot" in scopes, str(e.invars[0].aval.dtype)) for e, scopes in walk(closed) if e.primitive.name == "dot_general"
+        ("precise_dot" in scopes, str(e.invars[0].aval.dtype))
+        for e, scopes in walk(closed)
+        if e.primitive.name == "dot_general"
     )
     assert by_scope == collections.Counter({(True, "float32"): 3, (False, "float16"): 3}), by_scope
     # without the policy entry the scope means nothing
@@ -456,7 +470,9 @@ def test_scan_carry_keeps_float32_dtype():
     carry_out = [str(v.aval.dtype) for v in scan.outvars[:n_carry]]
     assert carry_in == carry_out == ["float32"], (carry_in, carry_out)
     # the body's matmuls are half precision; the stacked output may stay half inside amp
-    body_dots = [str(e.invars[0].aval.dtype) for e, _ in walk(scan.params["jaxpr"]) if e.primitive.name == "dot_general"]
+    body_dots = [
+        str(e.invars[0].aval.dtype) for e, _ in walk(scan.params["jaxpr"]) if e.primitive.name == "dot_general"
+    ]
     assert body_dots == ["float16", "float16"], body_dots
     ref_c, _ = f(w, x)
     assert tree_max_rel_err(c, ref_c) < GRAD_TOL
@@ -495,7 +511,10 @@ def test_loop_carries_start_as_the_unrolled_loop_would():
         g = autocast.amp(functools.partial(f, loop=loop))
         outs = g(w, x)
         assert [o.dtype for o in outs] == [jnp.float32, jnp.float32, jnp.bfloat16]
-        carries = [[str(v.aval.dtype) for v in e.outvars if v.aval.dtype != jnp.int32] for e in _loop_eqns(g, w, x, names=(name,))]
+        carries = [
+            [str(v.aval.dtype) for v in e.outvars if v.aval.dtype != jnp.int32]
+            for e in _loop_eqns(g, w, x, names=(name,))
+        ]
         assert carries == [["float16"], ["float32"], ["bfloat16"]], carries
         for e in _loop_eqns(g, w, x, names=(name,)):
             body = e.params.get("body_jaxpr") or e.params["jaxpr"]

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import walk
 
 import autocast
 from autocast import _compat
-from helpers import walk
 
 MODES = ("auto", True, False)
 
@@ -38,8 +38,12 @@ def softmax_layernorm(p, x):
 
 def softmax_params():
     k = _keys(5)
-    p = {"w": jax.random.normal(k[0], (32, 64)) / 6, "w2": jax.random.normal(k[1], (64, 64)) / 8,
-         "g": jnp.ones(64), "w3": jax.random.normal(k[2], (64, 4)) / 8}
+    p = {
+        "w": jax.random.normal(k[0], (32, 64)) / 6,
+        "w2": jax.random.normal(k[1], (64, 64)) / 8,
+        "g": jnp.ones(64),
+        "w3": jax.random.normal(k[2], (64, 4)) / 8,
+    }
     return p, jax.random.normal(k[3], (256, 32))
 
 
@@ -63,8 +67,12 @@ def lstm(p, xs):
 def lstm_params():
     k = _keys(5)
     hidden = 32
-    p = {"wi": jax.random.normal(k[0], (16, 4 * hidden)) / 4, "wh": jax.random.normal(k[1], (hidden, 4 * hidden)) / 6,
-         "b": jnp.zeros(4 * hidden), "wo": jax.random.normal(k[2], (hidden, 1)) / 6}
+    p = {
+        "wi": jax.random.normal(k[0], (16, 4 * hidden)) / 4,
+        "wh": jax.random.normal(k[1], (hidden, 4 * hidden)) / 6,
+        "b": jnp.zeros(4 * hidden),
+        "wo": jax.random.normal(k[2], (hidden, 1)) / 6,
+    }
     return p, jax.random.normal(k[3], (12, 8, 16))
 
 
@@ -74,7 +82,11 @@ CASES = {"softmax+layernorm": (softmax_layernorm, softmax_params), "LSTM cell (s
 def _float32_residual_bytes(f, p, x) -> int:
     """Bytes of float32 residuals of ``jax.grad`` that are at least as large as the batch
     of one step's activations (parameters and scalars excluded)."""
-    return sum(a.size * 4 for a, src in _compat.saved_residuals(f, p, x) if a.dtype == jnp.float32 and a.size >= 256 and "argument" not in src)
+    return sum(
+        a.size * 4
+        for a, src in _compat.saved_residuals(f, p, x)
+        if a.dtype == jnp.float32 and a.size >= 256 and "argument" not in src
+    )
 
 
 def _n_checkpoints(f, p, x) -> int:
@@ -117,7 +129,10 @@ def test_modes_compute_the_same_function(case, auto_is):
     pass); all are mixed precision of the float32 function."""
     f, make = CASES[case]
     p, x = make()
-    results = {m: jax.jit(jax.value_and_grad(autocast.amp(f, compute_dtype=jnp.bfloat16, remat_float32=m)))(p, x) for m in MODES}
+    results = {
+        m: jax.jit(jax.value_and_grad(autocast.amp(f, compute_dtype=jnp.bfloat16, remat_float32=m)))(p, x)
+        for m in MODES
+    }
     v32, g32 = jax.value_and_grad(f)(p, x)
     # same program; XLA may still fuse (and so round) differently from one compile to the next
     np.testing.assert_allclose(results["auto"][0], results[auto_is][0], rtol=1e-4)
@@ -150,8 +165,11 @@ def norm_relu(p, x):
 
 def norm_relu_params():
     k = _keys(4)
-    p = {"w1": jax.random.normal(k[0], (16, 64)) / 4, "w2": jax.random.normal(k[1], (64, 64)) / 8,
-         "w3": jax.random.normal(k[2], (64, 3)) / 8}
+    p = {
+        "w1": jax.random.normal(k[0], (16, 64)) / 4,
+        "w2": jax.random.normal(k[1], (64, 64)) / 8,
+        "w3": jax.random.normal(k[2], (64, 3)) / 8,
+    }
     return p, jax.random.normal(k[3], (256, 16))
 
 
@@ -173,15 +191,18 @@ def test_relu_between_a_norm_and_a_matmul_runs_in_half_and_keeps_no_float32_acti
     v32, g32 = jax.value_and_grad(norm_relu)(p, x)
     np.testing.assert_allclose(v, v32, rtol=2e-2, atol=2e-2)
     assert _tree_rel(g, g32) < 3e-2
+
     # the rounding point moved, not the values: the same as rounding after the relu
     def rounded_after(p, x):
         def bn(h):
             mu = h.mean(0, keepdims=True)
             return (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(0, keepdims=True) + 1e-5)
+
         h = (x.astype(dtype) @ p["w1"].astype(dtype)).astype(jnp.float32)
         h = jax.nn.relu(bn(h)).astype(dtype)
         h = (h @ p["w2"].astype(dtype)).astype(jnp.float32)
         return jnp.sum((jax.nn.relu(bn(h)).mean(0)).astype(dtype) @ p["w3"].astype(dtype))
+
     np.testing.assert_allclose(np.float32(f(p, x)), np.float32(rounded_after(p, x)), rtol=1e-2)
 
 

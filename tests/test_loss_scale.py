@@ -82,9 +82,7 @@ def test_positional_fields_in_seed_order():
 
 def test_array_inputs_are_converted():
     # jmp#47: a float16 scale made `adjust` crash with a dtype mismatch.
-    state = DynamicScalerState(
-        scaler=jnp.float16(1024), count=np.int64(2), grads_finite=np.bool_(False)
-    )
+    state = DynamicScalerState(scaler=jnp.float16(1024), count=np.int64(2), grads_finite=np.bool_(False))
     assert state.scaler.dtype == jnp.float32 and float(state.scaler) == 1024.0
     assert state.count.dtype == jnp.int32
     assert float(state.adjust(False).scaler) == 512.0
@@ -135,9 +133,7 @@ def test_static_config_must_be_concrete():
 def test_traced_values_are_accepted_under_jit_and_vmap():
     state = jax.jit(lambda s: DynamicScalerState(scaler=s))(jnp.float32(8))
     assert float(state.scaler) == 8.0
-    scales = jax.vmap(lambda s: DynamicScalerState(scaler=s, patience=1).adjust(True))(
-        jnp.array([2.0, 4.0])
-    ).scaler
+    scales = jax.vmap(lambda s: DynamicScalerState(scaler=s, patience=1).adjust(True))(jnp.array([2.0, 4.0])).scaler
     np.testing.assert_array_equal(scales, [4.0, 8.0])
 
 
@@ -252,9 +248,7 @@ def test_patience_zero_grows_on_every_finite_step():
 
 def test_never_inf_at_the_top_never_zero_at_the_bottom():
     # jaxamp: scaler=2**127, patience=0 becomes inf; persistent NaNs drive it to 0.
-    top = DynamicScalerState(
-        patience=0, adjust_factor=2.0**8, scaler=2.0**126, max_scaler=2.0**126
-    )
+    top = DynamicScalerState(patience=0, adjust_factor=2.0**8, scaler=2.0**126, max_scaler=2.0**126)
     bottom = DynamicScalerState(scaler=2.0**-120, min_scaler=2.0**-126, backoff_factor=2.0**8)
     for _ in range(5):
         top = top.adjust(True)
@@ -513,9 +507,7 @@ def test_pickle_round_trip(state):
 @pytest.mark.parametrize("state", _non_default_states(), ids=lambda s: type(s).__name__)
 def test_flax_serialization_round_trip(state):
     data = flax.serialization.to_bytes({"scaler": state, "step": jnp.int32(3)})
-    restored = flax.serialization.from_bytes(
-        {"scaler": _template(state), "step": jnp.int32(0)}, data
-    )
+    restored = flax.serialization.from_bytes({"scaler": _template(state), "step": jnp.int32(0)}, data)
     _assert_same(restored["scaler"], state)
     # The state dict names the values, so other tools can read it.
     assert set(flax.serialization.to_state_dict(state)) == set(state._leaf_fields)

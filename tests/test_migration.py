@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
 from helpers import compute_op_dtypes, tree_max_rel_err, walk
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
@@ -66,6 +65,7 @@ def _after_jmp(batches):
     import jax
     import jax.numpy as jnp
     import optax
+
     import autocast
 
     k1, k2 = jax.random.split(jax.random.key(0))
@@ -73,7 +73,7 @@ def _after_jmp(batches):
     optim = optax.adam(1e-2)
     opt_state = optim.init(params)
 
-    def loss_fn(params, x, y):                      # no casts and no scale: written for float32
+    def loss_fn(params, x, y):  # no casts and no scale: written for float32
         pred = jnp.tanh(x @ params["w1"]) @ params["w2"]
         return jnp.mean((pred - y) ** 2)
 
@@ -82,11 +82,12 @@ def _after_jmp(batches):
     @jax.jit
     def train_step(params, opt_state, scaler, x, y):
         scaler, (loss, grads) = autocast.dynamic_scale_value_and_grad(amp_loss)(
-            params, x, y, dynamic_scaler_state=scaler)
+            params, x, y, dynamic_scaler_state=scaler
+        )
         params, opt_state = autocast.optimizer_update(params, optim, opt_state, grads, scaler.grads_finite)
         return params, opt_state, scaler, loss
 
-    scaler = autocast.DynamicScalerState()          # was jmp.DynamicLossScale(jnp.float32(2**15))
+    scaler = autocast.DynamicScalerState()  # was jmp.DynamicLossScale(jnp.float32(2**15))
     losses = []
     for x, y in batches:
         params, opt_state, scaler, loss = train_step(params, opt_state, scaler, x, y)
@@ -99,7 +100,8 @@ def _after_mpx(batches):
     import jax
     import jax.numpy as jnp
     import optax
-    import autocast.compat.mpx as mpx               # was: import mpx
+
+    import autocast.compat.mpx as mpx  # was: import mpx
 
     model = eqx.nn.MLP(4, 2, 32, 2, key=jax.random.key(0))
     optimizer = optax.adam(1e-2)
@@ -109,14 +111,15 @@ def _after_mpx(batches):
         pred = jax.vmap(model)(x)
         return jnp.mean((pred - y) ** 2), pred
 
-    loss_scaling = mpx.DynamicLossScaling(loss_scaling=mpx.FLOAT16_MAX,
-                                          min_loss_scaling=jnp.ones((), dtype=jnp.float32),
-                                          period=2000)
+    loss_scaling = mpx.DynamicLossScaling(
+        loss_scaling=mpx.FLOAT16_MAX, min_loss_scaling=jnp.ones((), dtype=jnp.float32), period=2000
+    )
 
     @eqx.filter_jit
     def make_step(model, optimizer_state, loss_scaling, x, y):
         (loss_value, _), loss_scaling, grads_finite, grads = mpx.filter_value_and_grad(
-            loss_fn, scaling=loss_scaling, has_aux=True)(model, x, y)
+            loss_fn, scaling=loss_scaling, has_aux=True
+        )(model, x, y)
         model, optimizer_state = mpx.optimizer_update(model, optimizer, optimizer_state, grads, grads_finite)
         return model, optimizer_state, loss_scaling, loss_value
 
@@ -131,7 +134,8 @@ def _after_jaxamp(batches):
     import jax
     import jax.numpy as jnp
     import optax
-    import autocast                                 # was: import jaxamp
+
+    import autocast  # was: import jaxamp
 
     k1, k2 = jax.random.split(jax.random.key(0))
     params = {"w1": 0.5 * jax.random.normal(k1, (4, 32)), "w2": 0.2 * jax.random.normal(k2, (32, 2))}
@@ -142,7 +146,7 @@ def _after_jaxamp(batches):
         pred = jnp.tanh(x @ params["w1"]) @ params["w2"]
         return jnp.mean((pred - y) ** 2), jnp.max(jnp.abs(pred - y))
 
-    amp_loss = autocast.amp(loss_fn)                # float16 by default, as in jaxamp
+    amp_loss = autocast.amp(loss_fn)  # float16 by default, as in jaxamp
     value_and_grad_fn = autocast.dynamic_scale_value_and_grad(amp_loss, has_aux=True)
 
     @jax.jit
@@ -151,7 +155,7 @@ def _after_jaxamp(batches):
         params, opt_state = autocast.optimizer_update(params, optim, opt_state, grads, scaler.grads_finite)
         return params, opt_state, scaler, loss, max_err
 
-    scaler = autocast.DynamicScalerState()          # jaxamp.DynamicScalerState()
+    scaler = autocast.DynamicScalerState()  # jaxamp.DynamicScalerState()
     losses = []
     for x, y in batches:
         params, opt_state, scaler, loss, max_err = train_step(params, opt_state, scaler, x, y)
@@ -164,6 +168,7 @@ def _after_torch(batches):
     import jax
     import jax.numpy as jnp
     import optax
+
     import autocast
 
     class Net(eqx.Module):
@@ -175,13 +180,13 @@ def _after_torch(batches):
             self.body = eqx.nn.MLP(4, 32, 32, 1, key=k1)
             self.head = eqx.nn.Linear(32, 2, key=k2)
 
-    def rms_norm(x):                                # was @custom_fwd(cast_inputs=torch.float32)
+    def rms_norm(x):  # was @custom_fwd(cast_inputs=torch.float32)
         with jax.named_scope("rms_norm"):
             return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
 
     def loss_fn(model, x, y):
         h = rms_norm(jax.vmap(model.body)(x))
-        with autocast.amp_stop():                   # was torch.autocast(..., enabled=False)
+        with autocast.amp_stop():  # was torch.autocast(..., enabled=False)
             logits = jax.vmap(model.head)(h)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
@@ -191,14 +196,16 @@ def _after_torch(batches):
     model = Net(jax.random.key(0))
     optim = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))  # unscale_ + clip_grad_norm_
     opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
-    scaler = autocast.DynamicScalerState(scaler=2.0**16, patience=2000)   # GradScaler() defaults
+    scaler = autocast.DynamicScalerState(scaler=2.0**16, patience=2000)  # GradScaler() defaults
 
     @eqx.filter_jit
     def train_step(model, opt_state, scaler, x, y):
         scaler, (loss, grads) = autocast.dynamic_scale_value_and_grad(amp_loss)(  # scaler.scale(loss).backward()
-            model, x, y, dynamic_scaler_state=scaler)
+            model, x, y, dynamic_scaler_state=scaler
+        )
         model, opt_state = autocast.optimizer_update(  # scaler.step(optimizer); scaler.update()
-            model, optim, opt_state, grads, scaler.grads_finite)
+            model, optim, opt_state, grads, scaler.grads_finite
+        )
         return model, opt_state, scaler, loss
 
     losses = []
@@ -233,8 +240,10 @@ def test_snippets_are_in_the_readme():
 def test_after_jmp_trains_like_float32():
     batches = _batches()
     ns = _after_jmp(batches)
-    init = {"w1": 0.5 * jax.random.normal(jax.random.split(jax.random.key(0))[0], (4, 32)),
-            "w2": 0.2 * jax.random.normal(jax.random.split(jax.random.key(0))[1], (32, 2))}
+    init = {
+        "w1": 0.5 * jax.random.normal(jax.random.split(jax.random.key(0))[0], (4, 32)),
+        "w2": 0.2 * jax.random.normal(jax.random.split(jax.random.key(0))[1], (32, 2)),
+    }
     reference = _float32_run(ns["loss_fn"], init, optax.adam(1e-2), batches)
     _check_trained(ns["params"], reference, ns["losses"], tol=2e-2)
     assert bool(ns["scaler"].grads_finite) and float(ns["scaler"].scaler) == 2.0**15
@@ -264,10 +273,12 @@ def test_after_mpx_automatic_keyword_trains_like_float32():
     optimizer = optax.adam(1e-2)
     state = optimizer.init(eqx.filter(model, eqx.is_array))
     scaling = mpx.DynamicLossScaling(mpx.FLOAT16_MAX, jnp.ones(()), period=2000)
+
     @eqx.filter_jit
     def step(model, state, scaling, x, y):
         (loss, _), scaling, finite, grads = mpx.filter_value_and_grad(
-            ns["loss_fn"], scaling, has_aux=True, automatic=True)(model, x, y)
+            ns["loss_fn"], scaling, has_aux=True, automatic=True
+        )(model, x, y)
         model, state = mpx.optimizer_update(model, optimizer, state, grads, finite)
         return model, state, scaling, loss
 

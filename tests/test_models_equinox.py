@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import compute_op_dtypes, tree_max_rel_err
 
 import autocast
-from helpers import compute_op_dtypes, tree_max_rel_err
 
 HALF_DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
@@ -108,15 +108,23 @@ def _run(case: Case, dtype_name: str) -> dict[str, Any]:
     # Matmul/conv census of the forward pass and of the forward *and* backward pass.
     dynamic, static = eqx.partition(case.params, eqx.is_array)
     loss_fn = _loss_fn(case, dtype_name)
-    census_fwd = compute_op_dtypes(lambda p, s, b: loss_fn(eqx.combine(p, static), s, b), dynamic, case.state, case.batch)
+    census_fwd = compute_op_dtypes(
+        lambda p, s, b: loss_fn(eqx.combine(p, static), s, b), dynamic, case.state, case.batch
+    )
     census = compute_op_dtypes(lambda p, s, b: grad_fn(eqx.combine(p, static), s, b), dynamic, case.state, case.batch)
     return dict(
-        loss0=losses[0], grads0=grads0, state1=state1, losses=losses, census=census, census_fwd=census_fwd,
-        final_state=state, final_params=params,
+        loss0=losses[0],
+        grads0=grads0,
+        state1=state1,
+        losses=losses,
+        census=census,
+        census_fwd=census_fwd,
+        final_state=state,
+        final_params=params,
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measure(factory: Callable[[], Case], dtype_name: str) -> dict[str, Any]:
     """``_run`` for ``dtype_name`` plus its errors against the float32 run."""
     case = factory()
@@ -256,9 +264,12 @@ BN_TOL = {
 MLP_TOL = VIT_TOL = RNN_TOL = TOL
 CNN_TOL = BN_TOL
 
+
 def eqx_mlp() -> Case:
     """``eqx.nn.MLP`` classifier."""
-    model = jit_init(lambda k: eqx.nn.MLP(16, N_CLASSES, width_size=32, depth=2, activation=jax.nn.gelu, key=k), jax.random.key(0))
+    model = jit_init(
+        lambda k: eqx.nn.MLP(16, N_CLASSES, width_size=32, depth=2, activation=jax.nn.gelu, key=k), jax.random.key(0)
+    )
     x, y = normal(0, (B, 16)), integers(0, N_CLASSES, (B,))
 
     def loss_fn(model, state, batch):
@@ -289,8 +300,6 @@ class ConvBN(eqx.Module):
         x, state = self.bn2(self.conv2(x), state)
         x = jax.nn.relu(x)
         return self.head(jnp.mean(x, axis=(1, 2))), state
-
-
 
 
 def eqx_cnn_batchnorm() -> Case:
@@ -348,8 +357,6 @@ class ViT(eqx.Module):
         return self.head(jnp.mean(jax.vmap(self.ln)(x), axis=0))
 
 
-
-
 def eqx_vit() -> Case:
     """Small ViT: ``Conv2d`` patches, ``MultiheadAttention`` + ``LayerNorm`` blocks."""
     model = jit_init(ViT, jax.random.key(2))
@@ -386,8 +393,6 @@ class LSTMLM(eqx.Module):
         init = (jnp.zeros(self.cell.hidden_size), jnp.zeros(self.cell.hidden_size))
         _, hs = jax.lax.scan(body, init, xs)
         return jax.vmap(self.out)(hs)
-
-
 
 
 def eqx_lstm_embedding() -> Case:

@@ -20,19 +20,18 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-
 from test_models_equinox import (
     BN_TOL,
     FAST_COMPILE,
     HALF_DTYPES,
     TOL,
-    integers,
-    normal,
     Case,
     check_close_to_float32,
     check_compute_ops_half,
     check_dtypes_preserved,
     check_loss_decreases,
+    integers,
+    normal,
 )
 
 B, N_CLASSES = 8, 4
@@ -59,7 +58,17 @@ def _nnx_init(make):
 
 
 def _flax_case(name, params, state, batch, loss_fn, tol, **kw) -> Case:
-    return Case(name, params, state, batch, loss_fn, tol, jit=functools.partial(jax.jit, compiler_options=FAST_COMPILE), value_and_grad=_jax_vg, **kw)
+    return Case(
+        name,
+        params,
+        state,
+        batch,
+        loss_fn,
+        tol,
+        jit=functools.partial(jax.jit, compiler_options=FAST_COMPILE),
+        value_and_grad=_jax_vg,
+        **kw,
+    )
 
 
 # --- Linen CNN with BatchNorm ------------------------------------------------------------
@@ -91,7 +100,9 @@ def linen_cnn_batchnorm() -> Case:
         )
         return _xent(logits, y), updates["batch_stats"]
 
-    return _flax_case("linen Conv+BatchNorm", variables["params"], variables["batch_stats"], (x, y), loss_fn, LINEN_CNN_TOL)
+    return _flax_case(
+        "linen Conv+BatchNorm", variables["params"], variables["batch_stats"], (x, y), loss_fn, LINEN_CNN_TOL
+    )
 
 
 # --- Linen transformer: nn.scan over nn.remat blocks -------------------------------------
@@ -234,8 +245,9 @@ def test_grads_params_and_state_keep_dtypes(factory, dtype_name):
 def test_linen_transformer_keeps_scan_and_remat():
     """The transformed jaxpr still has the layer ``scan`` and the ``nn.remat`` checkpoint
     inside it, with the matmuls of the block in half precision *inside* the scan body."""
-    import autocast
     from helpers import walk
+
+    import autocast
 
     case = linen_transformer()
     fn = autocast.amp(lambda p, t: case.loss_fn(p, None, t)[0])
@@ -251,7 +263,12 @@ def test_linen_transformer_keeps_scan_and_remat():
     ]
     assert inner and all(dt == "float16" for _, dt in inner), inner
     fwd_scans = [e for e, _ in walk(forward) if e.primitive.name == "scan"]
-    remats = [e for s in fwd_scans for e, _ in walk(s.params["jaxpr"]) if e.primitive.name in ("checkpoint", "remat2", "remat")]
+    remats = [
+        e
+        for s in fwd_scans
+        for e, _ in walk(s.params["jaxpr"])
+        if e.primitive.name in ("checkpoint", "remat2", "remat")
+    ]
     assert remats, "nn.remat's checkpoint inside the scanned block disappeared"
 
 
@@ -260,14 +277,19 @@ def test_linen_nn_remat_still_recomputes_under_amp():
     pass. Under amp the backward pass must still recompute the block's matmuls, as in
     float32 (same number of matmuls in the gradient's jaxpr); see
     test_higher_order.py::test_user_checkpoint_still_recomputes_its_matmuls."""
-    import autocast
     from helpers import compute_op_dtypes
+
+    import autocast
 
     case = linen_transformer()
     loss = lambda p, t: case.loss_fn(p, None, t)[0]
 
     def n_dots(fn):
-        return sum(n for (prim, _, _), n in compute_op_dtypes(jax.grad(fn), case.params, case.batch).items() if prim == "dot_general")
+        return sum(
+            n
+            for (prim, _, _), n in compute_op_dtypes(jax.grad(fn), case.params, case.batch).items()
+            if prim == "dot_general"
+        )
 
     want, got = n_dots(loss), n_dots(autocast.amp(loss))
     assert got == want, f"amp: {got} matmuls in jax.grad, float32: {want}; nn.remat's block is no longer recomputed"

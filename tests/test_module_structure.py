@@ -60,6 +60,13 @@ def test_no_import_cycle_and_no_deferred_imports_between_autocast_modules():
 
 
 def test_handlers_are_registered_for_the_higher_order_primitives():
-    for prim in (_compat.jit_p, _compat.custom_jvp_call_p, _compat.custom_vjp_call_p, _compat.scan_p, _compat.while_p, _compat.cond_p):
+    for prim in (
+        _compat.jit_p,
+        _compat.custom_jvp_call_p,
+        _compat.custom_vjp_call_p,
+        _compat.scan_p,
+        _compat.while_p,
+        _compat.cond_p,
+    ):
         assert prim in _registry.HIGHER_ORDER_RULES, prim
     assert _compat.jit_p in _registry.PULL_RULES and _compat.scan_p in _registry.PULL_RULES

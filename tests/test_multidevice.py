@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import compute_op_dtypes, tree_max_rel_err, walk
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import autocast
-from helpers import compute_op_dtypes, tree_max_rel_err, walk
 
 N_DEV = 8
 BATCH, D_IN, HIDDEN, N_CLASSES = 32, 16, 32, 4  # 4 examples per device
@@ -155,7 +155,7 @@ def _batch_sharded(mesh, tree):
     return jax.device_put(tree, NamedSharding(mesh, P("data")))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def one_device(dtype_name):
     params, x, y = _init()
     return train(jit_step(dtype_name), *_on_one_device((params, x, y)))
@@ -241,7 +241,12 @@ def test_amp_around_shard_map_matches_one_device(mesh, dtype_name):
     closed = jax.make_jaxpr(step)(params_r, OPT.init(params_r), x_s, y_s)
     shard_maps = [e for e, _ in walk(closed) if e.primitive.name == "shard_map"]
     assert shard_maps, "the shard_map disappeared"
-    inner = [str(e.invars[0].aval.dtype) for s in shard_maps for e, _ in walk(s.params["jaxpr"]) if e.primitive.name == "dot_general"]
+    inner = [
+        str(e.invars[0].aval.dtype)
+        for s in shard_maps
+        for e, _ in walk(s.params["jaxpr"])
+        if e.primitive.name == "dot_general"
+    ]
     assert inner and set(inner) == {dtype_name}, inner
 
 
@@ -265,6 +270,7 @@ def test_sharding_constraint_on_activations_is_kept(mesh, dtype_name):
     loss, grads = fn(params_r, x_s, y_s)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(constrained_loss))(params_r, x_s, y_s)
     assert abs(float(loss) - float(ref_loss)) <= 1e-2 * abs(float(ref_loss)) + 1e-3
-    assert tree_max_rel_err(
-        {k: grads[k] for k in ("w1", "w2")}, {k: ref_grads[k] for k in ("w1", "w2")}
-    ) < DP_TOL[dtype_name]["grad"] * 2
+    assert (
+        tree_max_rel_err({k: grads[k] for k in ("w1", "w2")}, {k: ref_grads[k] for k in ("w1", "w2")})
+        < DP_TOL[dtype_name]["grad"] * 2
+    )

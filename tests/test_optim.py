@@ -15,16 +15,13 @@ from autocast import (
     optimizer_update,
 )
 
-
 # No strict dtype promotion here: optax's own update rules mix int32 step counts
 # with float32 values.
 
 
 def _bits(tree):
     """Every array leaf as raw bytes (NaN payloads and signed zeros included)."""
-    return [
-        (x.dtype, np.asarray(x).tobytes()) for x in jax.tree.leaves(tree) if eqx.is_array(x)
-    ]
+    return [(x.dtype, np.asarray(x).tobytes()) for x in jax.tree.leaves(tree) if eqx.is_array(x)]
 
 
 def _cast(dtype, tree):
@@ -109,9 +106,7 @@ def test_planted_overflow_is_skipped_in_an_equinox_step(problem):
     assert bool(scaler.grads_finite)
 
     bad_x = x.at[3, 0].set(1e6)  # inf in the float16 forward pass
-    new_model, new_opt_state, new_scaler, loss = _train_step(
-        model, opt_state, scaler, bad_x, y, optim, jnp.float16
-    )
+    new_model, new_opt_state, new_scaler, loss = _train_step(model, opt_state, scaler, bad_x, y, optim, jnp.float16)
     assert not bool(new_scaler.grads_finite) and not np.isfinite(float(loss))
     assert float(new_scaler.scaler) == 2.0**9 and int(new_scaler.total_resets) == 1
     assert _bits(new_model) == _bits(model)
@@ -179,16 +174,12 @@ def test_apply_if_finite_behind_optimizer_update_never_applies_nan():
     for _ in range(5):
         updates, direct_state = optim.update(_NAN_GRADS, direct_state, direct_params)
         direct_params = optax.apply_updates(direct_params, updates)
-        guarded_params, guarded_state = _update(
-            guarded_params, optim, guarded_state, _NAN_GRADS, jnp.array(False)
-        )
+        guarded_params, guarded_state = _update(guarded_params, optim, guarded_state, _NAN_GRADS, jnp.array(False))
     assert np.isnan(np.asarray(direct_params["w"])).any()  # why the recipe matters
     assert _bits(guarded_params) == _bits(params)
     assert int(guarded_state.notfinite_count) == 0
 
-    guarded_params, guarded_state = _update(
-        guarded_params, optim, guarded_state, _GRADS, jnp.array(True)
-    )
+    guarded_params, guarded_state = _update(guarded_params, optim, guarded_state, _GRADS, jnp.array(True))
     np.testing.assert_allclose(guarded_params["w"], params["w"] - 0.1 * _GRADS["w"], rtol=1e-6)
 
 

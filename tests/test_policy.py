@@ -24,20 +24,51 @@ def _shipped():
 # 0.9.2 and 0.12 by tests/run_tests.sh). Any other unresolved name is a typo.
 _VERSION_SPECIFIC = {
     # JAX 0.9 only
-    "ag_start", "ag_done", "iota_2x32_shape", "random_wrap", "random_unwrap",
+    "ag_start",
+    "ag_done",
+    "iota_2x32_shape",
+    "random_wrap",
+    "random_unwrap",
     # JAX 0.10 only
-    "ormqr", "mulhi", "stack", "unstack", "all_gather_start", "all_gather_done",
-    "all_gather_reduced_start", "all_to_all_start", "all_to_all_done", "ppermute_start",
-    "ppermute_done", "psum_start", "psum_done", "psum_invariant_start", "pbroadcast_start",
-    "pbroadcast_done", "reduce_scatter_start", "reduce_scatter_done", "unreduced_psum_start",
-    "unreduced_reduce_scatter_start", "get", "swap", "stage", "call_hi_primitive",
+    "ormqr",
+    "mulhi",
+    "stack",
+    "unstack",
+    "all_gather_start",
+    "all_gather_done",
+    "all_gather_reduced_start",
+    "all_to_all_start",
+    "all_to_all_done",
+    "ppermute_start",
+    "ppermute_done",
+    "psum_start",
+    "psum_done",
+    "psum_invariant_start",
+    "pbroadcast_start",
+    "pbroadcast_done",
+    "reduce_scatter_start",
+    "reduce_scatter_done",
+    "unreduced_psum_start",
+    "unreduced_reduce_scatter_start",
+    "get",
+    "swap",
+    "stage",
+    "call_hi_primitive",
     # renamed in JAX 0.12 (the _p suffix dropped)
-    "reduced_vary_cast_p", "vary_unreduced_cast_p",
+    "reduced_vary_cast_p",
+    "vary_unreduced_cast_p",
     # JAX 0.11 only
     "program_order",
     # JAX 0.12 only
-    "log2", "one_minus_square", "polynomial", "pbroadcast_dynamic", "reduced_vary_cast",
-    "relayout", "unreduced_pmax", "unreduced_pmin", "vary_unreduced_cast",
+    "log2",
+    "one_minus_square",
+    "polynomial",
+    "pbroadcast_dynamic",
+    "reduced_vary_cast",
+    "relayout",
+    "unreduced_pmax",
+    "unreduced_pmin",
+    "vary_unreduced_cast",
 }
 
 
@@ -87,7 +118,12 @@ def test_matmul_only_policy():
     def f(w, x):
         return jnp.tanh(x @ w + 1.0).sum()
 
-    eqns = [e for e, _ in walk(jax.make_jaxpr(amp(f, amp_policy=autocast.load_policy("matmul_only")))(jnp.ones((3, 3)), jnp.ones((2, 3))))]
+    eqns = [
+        e
+        for e, _ in walk(
+            jax.make_jaxpr(amp(f, amp_policy=autocast.load_policy("matmul_only")))(jnp.ones((3, 3)), jnp.ones((2, 3)))
+        )
+    ]
     for e in eqns:
         if e.primitive.name == "dot_general":
             assert operand_dtypes(e) == ("float16", "float16")
@@ -97,11 +133,15 @@ def test_matmul_only_policy():
 
 def test_load_policy_from_path_and_errors(tmp_path):
     good = tmp_path / "mine.toml"
-    good.write_text('schema = 1\nfallback = "input"\n[primitives]\nfloat32 = ["dot_general"]\n[scopes]\n"blk*" = "compute"\n')
+    good.write_text(
+        'schema = 1\nfallback = "input"\n[primitives]\nfloat32 = ["dot_general"]\n[scopes]\n"blk*" = "compute"\n'
+    )
     p = autocast.load_policy(good)
     assert p[jax.lax.dot_general_p] is autocast.use_float32_precision
     assert p["blk*"] is autocast.use_compute_precision and p["amp_default"] is autocast.use_input_precision
-    assert compute_op_dtypes(amp(lambda w, x: x @ w, amp_policy=p), jnp.ones((3, 3)), jnp.ones((2, 3))) == {("dot_general", "float32", False): 1}
+    assert compute_op_dtypes(amp(lambda w, x: x @ w, amp_policy=p), jnp.ones((3, 3)), jnp.ones((2, 3))) == {
+        ("dot_general", "float32", False): 1
+    }
 
     bad_schema = tmp_path / "a.toml"
     bad_schema.write_text("[primitives]\n")
@@ -124,12 +164,23 @@ def test_extend_policy_without_copying_and_plain_dict_policy():
 
     ext = autocast.extend_policy({jax.lax.dot_general_p: autocast.use_precision(jnp.bfloat16)})
     assert ext[jax.lax.exp_p] is autocast.use_float32_precision  # inherited
-    assert compute_op_dtypes(amp(f, amp_policy=ext), jnp.ones((3, 3)), jnp.ones((2, 3))) == {("dot_general", "bfloat16", False): 1}
+    assert compute_op_dtypes(amp(f, amp_policy=ext), jnp.ones((3, 3)), jnp.ones((2, 3))) == {
+        ("dot_general", "bfloat16", False): 1
+    }
     merged = {**autocast.default_amp_policy, jax.lax.dot_general_p: autocast.use_float32_precision}
-    assert compute_op_dtypes(amp(f, amp_policy=merged), jnp.ones((3, 3)), jnp.ones((2, 3))) == {("dot_general", "float32", False): 1}
+    assert compute_op_dtypes(amp(f, amp_policy=merged), jnp.ones((3, 3)), jnp.ones((2, 3))) == {
+        ("dot_general", "float32", False): 1
+    }
     # a jaxamp-style replacement policy: only what it names, original precision otherwise
-    jaxamp_style = {jax.lax.dot_general_p: autocast.use_compute_precision, "amp_default": autocast.use_original_precision}
-    exps = [e for e, _ in walk(jax.make_jaxpr(amp(f, amp_policy=jaxamp_style))(jnp.ones((3, 3)), jnp.ones((2, 3)))) if e.primitive.name == "exp"]
+    jaxamp_style = {
+        jax.lax.dot_general_p: autocast.use_compute_precision,
+        "amp_default": autocast.use_original_precision,
+    }
+    exps = [
+        e
+        for e, _ in walk(jax.make_jaxpr(amp(f, amp_policy=jaxamp_style))(jnp.ones((3, 3)), jnp.ones((2, 3))))
+        if e.primitive.name == "exp"
+    ]
     assert [operand_dtypes(e) for e in exps] == [("float32",)]
 
 
@@ -138,7 +189,11 @@ def test_register_rule_for_builtin_primitive_is_global_and_removable():
         return (jnp.tanh(x @ w) @ w).sum()  # tanh feeds a matmul: half by default
 
     def tanh_ops():
-        return [operand_dtypes(e) for e, _ in walk(jax.make_jaxpr(amp(f))(jnp.ones((2, 3)), jnp.ones((3, 3)))) if e.primitive.name == "tanh"]
+        return [
+            operand_dtypes(e)
+            for e, _ in walk(jax.make_jaxpr(amp(f))(jnp.ones((2, 3)), jnp.ones((3, 3))))
+            if e.primitive.name == "tanh"
+        ]
 
     assert tanh_ops() == [("float16",)]
     autocast.register_rule(jax.lax.tanh_p, autocast.use_float32_precision)
@@ -146,7 +201,11 @@ def test_register_rule_for_builtin_primitive_is_global_and_removable():
         assert tanh_ops() == [("float32",)]
         # also seen through policies extended earlier (live view) and plain user dicts
         user = {jax.lax.dot_general_p: autocast.use_compute_precision}
-        ops = [operand_dtypes(e) for e, _ in walk(jax.make_jaxpr(amp(f, amp_policy=user))(jnp.ones((2, 3)), jnp.ones((3, 3)))) if e.primitive.name == "tanh"]
+        ops = [
+            operand_dtypes(e)
+            for e, _ in walk(jax.make_jaxpr(amp(f, amp_policy=user))(jnp.ones((2, 3)), jnp.ones((3, 3))))
+            if e.primitive.name == "tanh"
+        ]
         assert ops == [("float32",)]
     finally:
         autocast.unregister_rule(jax.lax.tanh_p)

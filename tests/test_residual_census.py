@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import autocast
-from autocast import _compat
 import test_models_equinox as eqx_models
 import test_models_flax as flax_models
 from helpers import walk
+
+import autocast
+from autocast import _compat
 
 FACTORIES = eqx_models.MODELS + flax_models.MODELS
 
@@ -42,7 +42,11 @@ def _residuals(factory, dtype):
 def census(factory, dtype) -> tuple[str, int, list[str]]:
     """(model name, largest parameter size, float32 residuals larger than it)."""
     name, largest, residuals = _residuals(factory, dtype)
-    big = [f"{a.str_short()} {src}" for a, src in residuals if a.dtype == jnp.float32 and a.size > largest and "argument" not in src]
+    big = [
+        f"{a.str_short()} {src}"
+        for a, src in residuals
+        if a.dtype == jnp.float32 and a.size > largest and "argument" not in src
+    ]
     return name, largest, big
 
 
@@ -50,7 +54,10 @@ def census(factory, dtype) -> tuple[str, int, list[str]]:
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
 def test_no_float32_residual_larger_than_a_parameter(factory, dtype):
     name, largest, big = census(factory, dtype)
-    assert not big, f"{name} ({np.dtype(dtype).name}): float32 residuals larger than the largest parameter ({largest}):\n" + "\n".join(big)
+    assert not big, (
+        f"{name} ({np.dtype(dtype).name}): float32 residuals larger than the largest parameter ({largest}):\n"
+        + "\n".join(big)
+    )
 
 
 def test_census_sees_float32_residuals():
@@ -60,5 +67,5 @@ def test_census_sees_float32_residuals():
     dynamic, static = eqx.partition(case.params, eqx.is_array)
     largest = max(np.size(x) for x in jax.tree_util.tree_leaves(dynamic))
     for loss in (case.loss_fn, autocast.amp(case.loss_fn, compute_dtype=jnp.bfloat16, remat_float32=False)):
-        res = _compat.saved_residuals(lambda p: loss(eqx.combine(p, static), case.state, case.batch)[0], dynamic)
+        res = _compat.saved_residuals(lambda p: loss(eqx.combine(p, static), case.state, case.batch)[0], dynamic)  # noqa: B023
         assert any(a.dtype == jnp.float32 and a.size > largest and "argument" not in src for a, src in res)

@@ -54,7 +54,8 @@ def _mse(model, x, y):
 
 
 @pytest.mark.parametrize(
-    "state", [DynamicScalerState(), StaticScalerState(2.0**10), NoOpScalerState()],
+    "state",
+    [DynamicScalerState(), StaticScalerState(2.0**10), NoOpScalerState()],
     ids=["dynamic", "static", "noop"],
 )
 def test_filter_value_and_grad_matches_equinox(mlp_data, state):
@@ -99,9 +100,7 @@ def test_filter_with_argnums_and_non_float_leaves():
     ref = eqx.filter_grad(lambda p, c: loss(c, p))(params, config)
     _assert_trees_equal(grads, ref)
     assert grads["steps"] is None
-    _, (g0, g1) = dynamic_scale_grad(loss, argnums=(0, 1))(
-        config, params, dynamic_scaler_state=state
-    )
+    _, (g0, g1) = dynamic_scale_grad(loss, argnums=(0, 1))(config, params, dynamic_scaler_state=state)
     assert g0["n"] is None and g0["act"] is None and float(g0["scale"]) == 6.0
     _assert_trees_equal(g1, ref)
 
@@ -113,9 +112,7 @@ def test_return_conventions_with_aux():
     w = jnp.array([1.0, 2.0])
     state = DynamicScalerState()
     s1, (grads, aux) = dynamic_scale_grad(loss, has_aux=True)(w, dynamic_scaler_state=state)
-    s2, ((value, aux2), grads2) = dynamic_scale_value_and_grad(loss, has_aux=True)(
-        w, dynamic_scaler_state=state
-    )
+    s2, ((value, aux2), grads2) = dynamic_scale_value_and_grad(loss, has_aux=True)(w, dynamic_scaler_state=state)
     np.testing.assert_array_equal(grads, 2 * w)
     np.testing.assert_array_equal(grads2, 2 * w)
     assert float(value) == 5.0 and aux["tag"] == "aux" and aux2["tag"] == "aux"
@@ -167,9 +164,7 @@ def test_unscale_uses_the_applied_scale_when_it_grows(state):
         return jnp.sum(w * x)
 
     w, x = jnp.ones(3), jnp.ones(3)
-    new_state, (value, grads) = jax.jit(dynamic_scale_value_and_grad(loss))(
-        w, x, dynamic_scaler_state=state
-    )
+    new_state, (value, grads) = jax.jit(dynamic_scale_value_and_grad(loss))(w, x, dynamic_scaler_state=state)
     assert float(new_state.scaler) == 2048.0  # the scale did change in this step
     assert float(value) == 3.0
     np.testing.assert_array_equal(grads, [1.0, 1.0, 1.0])
@@ -179,9 +174,7 @@ def test_value_is_returned_unscaled_in_its_own_dtype():
     def loss(w):
         return jnp.sum(w.astype(jnp.float16) * jnp.float16(0.1))
 
-    state, (value, grads) = dynamic_scale_value_and_grad(loss)(
-        jnp.ones(3), dynamic_scaler_state=DynamicScalerState()
-    )
+    state, (value, grads) = dynamic_scale_value_and_grad(loss)(jnp.ones(3), dynamic_scaler_state=DynamicScalerState())
     assert value.dtype == jnp.float16
     assert float(value) == float(loss(jnp.ones(3)))
     assert grads.dtype == jnp.float32
@@ -212,13 +205,9 @@ def _f16_scaled_product(w):
 def test_float16_gradient_underflow_is_recovered_exactly():
     w = jnp.ones(4)
     assert np.all(np.asarray(jax.grad(_f16_scaled_product)(w)) == 0)  # underflow
-    _, grads = dynamic_scale_grad(_f16_scaled_product)(
-        w, dynamic_scaler_state=NoOpScalerState()
-    )
+    _, grads = dynamic_scale_grad(_f16_scaled_product)(w, dynamic_scaler_state=NoOpScalerState())
     assert np.all(np.asarray(grads) == 0)  # no scaling: still zero
-    _, grads = dynamic_scale_grad(_f16_scaled_product)(
-        w, dynamic_scaler_state=DynamicScalerState()
-    )
+    _, grads = dynamic_scale_grad(_f16_scaled_product)(w, dynamic_scaler_state=DynamicScalerState())
     np.testing.assert_array_equal(grads, np.full(4, 2.0**-26, np.float32))
 
 
@@ -252,9 +241,7 @@ def _f16_overflow(w):
 
 def test_overflow_backs_off_and_is_reported():
     state = DynamicScalerState(scaler=2.0**9, count=5)
-    new_state, (value, grads) = dynamic_scale_value_and_grad(_f16_overflow)(
-        jnp.ones(2), dynamic_scaler_state=state
-    )
+    new_state, (value, grads) = dynamic_scale_value_and_grad(_f16_overflow)(jnp.ones(2), dynamic_scaler_state=state)
     assert not bool(new_state.grads_finite)
     assert not np.all(np.isfinite(np.asarray(grads)))
     assert float(value) == 2048.0  # the forward value itself was fine
@@ -270,9 +257,7 @@ def test_nan_in_aux_does_not_count():
     def loss(w):
         return jnp.sum(w), jnp.float32(jnp.nan)
 
-    state, (grads, aux) = dynamic_scale_grad(loss, has_aux=True)(
-        jnp.ones(3), dynamic_scaler_state=DynamicScalerState()
-    )
+    state, (grads, aux) = dynamic_scale_grad(loss, has_aux=True)(jnp.ones(3), dynamic_scaler_state=DynamicScalerState())
     assert bool(state.grads_finite) and float(state.scaler) == 2.0**15
     assert int(state.total_resets) == 0 and np.isnan(float(aux))
 
@@ -344,9 +329,9 @@ def test_redo_on_nan_with_non_array_aux():
     def loss(w):
         return _f16_overflow(w), ("label", jnp.sum(w))
 
-    state, ((value, (label, total)), grads) = dynamic_scale_value_and_grad(
-        loss, has_aux=True, redo_on_nan=5
-    )(jnp.ones(2), dynamic_scaler_state=DynamicScalerState(scaler=2.0**9))
+    state, ((value, (label, total)), grads) = dynamic_scale_value_and_grad(loss, has_aux=True, redo_on_nan=5)(
+        jnp.ones(2), dynamic_scaler_state=DynamicScalerState(scaler=2.0**9)
+    )
     assert label == "label" and float(total) == 2.0
     assert bool(state.grads_finite)
     np.testing.assert_array_equal(grads, [1024.0, 1024.0])
@@ -382,8 +367,13 @@ def _state_kw():
         (lambda w: (jnp.sum(w), 1), False, None, TypeError, ["did you mean has_aux=True"]),
         (lambda w: "loss", False, None, TypeError, ["got a str"]),
         (lambda w: jnp.sum(w), False, {}, TypeError, ["missing", "dynamic_scaler_state"]),
-        (lambda w: jnp.sum(w), False, {"dynamic_scaler_state": 2.0**15}, TypeError,
-         ["`dynamic_scaler_state`", "got float"]),
+        (
+            lambda w: jnp.sum(w),
+            False,
+            {"dynamic_scaler_state": 2.0**15},
+            TypeError,
+            ["`dynamic_scaler_state`", "got float"],
+        ),
     ],
 )
 def test_call_errors(wrapper, fun, has_aux, call, error, fragments):

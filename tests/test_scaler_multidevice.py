@@ -45,8 +45,9 @@ def test_jit_with_sharded_batch_checks_globally(mesh, bad_device):
 
     step = jax.jit(dynamic_scale_grad(_loss))
     new_state, grads = step(w, x, dynamic_scaler_state=state)
-    ref_state, ref_grads = step(jnp.array([0.5, -1.0, 2.0]), _batch(bad_device),
-                                dynamic_scaler_state=DynamicScalerState(scaler=2.0**10))
+    ref_state, ref_grads = step(
+        jnp.array([0.5, -1.0, 2.0]), _batch(bad_device), dynamic_scaler_state=DynamicScalerState(scaler=2.0**10)
+    )
 
     assert bool(new_state.grads_finite) is (bad_device is None)
     assert float(new_state.scaler) == float(ref_state.scaler)

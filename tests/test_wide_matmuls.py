@@ -53,7 +53,9 @@ def test_result_read_only_in_float32_is_not_rounded(dtype):
     np.testing.assert_allclose(got, jax.nn.sigmoid(exact), rtol=1e-5, atol=1e-6)
     # ... and not the result rounded to half precision first (which the test can tell apart)
     rounded = jax.nn.sigmoid(jnp.asarray(exact).astype(dtype).astype(jnp.float32))
-    assert np.max(np.abs(np.asarray(rounded) - jax.nn.sigmoid(exact))) > 10 * np.max(np.abs(got - jax.nn.sigmoid(exact)))
+    assert np.max(np.abs(np.asarray(rounded) - jax.nn.sigmoid(exact))) > 10 * np.max(
+        np.abs(got - jax.nn.sigmoid(exact))
+    )
     assert _matmuls(f, x, w) == [((np.dtype(dtype),) * 2, F32)]
 
 
@@ -99,7 +101,10 @@ def test_half_precision_consumers_outputs_and_saving_checkpoints_keep_half_resul
     def chain(x, w):  # the first result is read by a matmul, the second is returned
         return (x @ w) @ w
 
-    assert [out for _, out in _matmuls(autocast.amp(chain, compute_dtype=bf16, remat_float32=False), x, w)] == [bf16, bf16]
+    assert [out for _, out in _matmuls(autocast.amp(chain, compute_dtype=bf16, remat_float32=False), x, w)] == [
+        bf16,
+        bf16,
+    ]
 
     def saving(x, w):
         inner = jax.checkpoint(lambda x: jnp.tanh(x @ w), policy=jax.checkpoint_policies.dots_saveable)

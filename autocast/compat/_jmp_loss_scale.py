@@ -53,7 +53,9 @@ def _static_number(cls: str, name: str, value: Any, *, low: float, integral: boo
     try:
         number = float(np.asarray(value))
     except (TypeError, ValueError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-        raise TypeError(f"{cls}: `{name}` is static configuration and must be a concrete number; got {name}={value!r}.") from None
+        raise TypeError(
+            f"{cls}: `{name}` is static configuration and must be a concrete number; got {name}={value!r}."
+        ) from None
     if np.ndim(value) != 0 or not math.isfinite(number) or number < low or (integral and number != int(number)):
         kind = "an integer" if integral else "a finite number"
         raise ValueError(f"{cls}: `{name}` must be {kind} >= {low:g}; got {name}={value!r}.")
@@ -169,7 +171,9 @@ class DynamicLossScale(eqx.Module):
         self.loss_scale = jnp.asarray(loss_scale, jnp.float32)
         counter = jnp.zeros((), jnp.int32) if counter is None else jnp.asarray(counter)
         if counter.ndim != 0 or not jnp.issubdtype(counter.dtype, jnp.integer):
-            raise TypeError(f"{cls}: `counter` must be an integer scalar; got shape {counter.shape} and dtype {counter.dtype}.")
+            raise TypeError(
+                f"{cls}: `counter` must be an integer scalar; got shape {counter.shape} and dtype {counter.dtype}."
+            )
         self.counter = counter.astype(jnp.int32)
         self.period = int(_static_number(cls, "period", period, low=1, integral=True))
         self.factor = _static_number(cls, "factor", factor, low=1)
@@ -197,7 +201,7 @@ class DynamicLossScale(eqx.Module):
         )
 
 
-LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]  # noqa: UP007 (a runtime alias, as in jmp)
 
 
 def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:

@@ -154,8 +154,14 @@ def parse_dtype(value: str) -> np.dtype:
     raise ValueError(f"Unknown dtype {value!r}: must be 'half' or one of {', '.join(repr(n) for n in name_to_dtype)}.")
 
 
-_KEYS = {"p": "param_dtype", "params": "param_dtype", "c": "compute_dtype", "compute": "compute_dtype",
-         "o": "output_dtype", "output": "output_dtype"}
+_KEYS = {
+    "p": "param_dtype",
+    "params": "param_dtype",
+    "c": "compute_dtype",
+    "compute": "compute_dtype",
+    "o": "output_dtype",
+    "output": "output_dtype",
+}
 
 
 def get_policy(policy_name: str) -> Policy:
@@ -185,7 +191,9 @@ def get_policy(policy_name: str) -> Policy:
         if not sep or "=" in value:
             raise ValueError(f"get_policy: {part!r} in {policy_name!r} is not of the form key=dtype (e.g. 'c=f16').")
         if key not in _KEYS:
-            raise ValueError(f"Unknown key {key!r} in {policy_name!r}: should be 'params', 'compute' or 'output' (or 'p', 'c', 'o').")
+            raise ValueError(
+                f"Unknown key {key!r} in {policy_name!r}: should be 'params', 'compute' or 'output' (or 'p', 'c', 'o')."
+            )
         field = _KEYS[key]
         if field in chosen:
             raise ValueError(f"get_policy: {field} is given twice in {policy_name!r}.")

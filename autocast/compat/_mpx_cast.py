@@ -15,8 +15,14 @@ from .._amp import amp
 from .._dtypes import canonical_compute_dtype, is_castable
 
 _HALF_DTYPES = {np.dtype(jnp.float16): jnp.float16, np.dtype(jnp.bfloat16): jnp.bfloat16}
-_HALF_NAMES = {"float16": jnp.float16, "fp16": jnp.float16, "f16": jnp.float16,
-               "half": jnp.float16, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+_HALF_NAMES = {
+    "float16": jnp.float16,
+    "fp16": jnp.float16,
+    "f16": jnp.float16,
+    "half": jnp.float16,
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+}
 
 # The one piece of global state, kept for MPX compatibility. Every function that reads it
 # also takes the dtype explicitly, and reads it once (when it is called or a wrapper is

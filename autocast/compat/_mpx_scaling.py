@@ -24,9 +24,7 @@ from ._mpx_cast import _resolve_half, cast_to_full_precision, cast_tree
 def _scale_array(name: str, value: Any) -> jax.Array:
     array = jnp.asarray(value, dtype=jnp.float32)
     if array.size != 1 or array.ndim > 1:
-        raise ValueError(
-            f"DynamicLossScaling: `{name}` must be a scalar (shape () or (1,)); got shape {array.shape}."
-        )
+        raise ValueError(f"DynamicLossScaling: `{name}` must be a scalar (shape () or (1,)); got shape {array.shape}.")
     concrete = _concrete(array)
     if concrete is not None and not np.all(concrete > 0):
         raise ValueError(f"DynamicLossScaling: `{name}` must be a positive number; got {concrete}.")
@@ -224,9 +222,7 @@ def _mixed(
     if not isinstance(scaling, DynamicLossScaling):
         raise TypeError(f"{name}: `scaling` must be an mpx.DynamicLossScaling; got {type(scaling).__name__}.")
     args, kwargs = _half_inputs(half, automatic, args, kwargs)
-    loss, aux, grads = _value_and_grads(
-        name, fn, scaling, args, kwargs, has_aux=has_aux, filter=True, argnums=0
-    )
+    loss, aux, grads = _value_and_grads(name, fn, scaling, args, kwargs, has_aux=has_aux, filter=True, argnums=0)
     finite = _all_finite(grads)
     return cast_to_full_precision(loss), aux, scaling.adjust(finite), finite, grads
 
@@ -319,4 +315,3 @@ def filter_value_and_grad(
         return ((value, aux) if has_aux else value), new, finite, grads
 
     return wrapper
-

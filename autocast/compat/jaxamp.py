@@ -140,7 +140,9 @@ _GRAD_OPTIONS = ("argnums", "axis_name")
 def _grad_options(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(kwargs) - set(_GRAD_OPTIONS))
     if unknown:
-        raise TypeError(f"{name}: unsupported keyword argument(s) {unknown}; allowed: has_aux, redo_on_nan, filter, {', '.join(_GRAD_OPTIONS)}.")
+        raise TypeError(
+            f"{name}: unsupported keyword argument(s) {unknown}; allowed: has_aux, redo_on_nan, filter, {', '.join(_GRAD_OPTIONS)}."
+        )
     return kwargs
 
 
