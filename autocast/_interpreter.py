@@ -253,7 +253,10 @@ def _recomputed_consumers(ctx: Context, eqns: Sequence[Any], plan: list, island:
         else:
             i += 1
     made_by_matmul = {
-        v for eqn, step in zip(eqns, plan) if step == (_plan.RULE, _rules.use_compute_precision) for v in eqn.outvars
+        v
+        for eqn, step in zip(eqns, plan)
+        if step[0] == _plan.RULE and _rules.is_compute_rule(step[1])
+        for v in eqn.outvars
     }
 
     def nbytes(v):
@@ -394,7 +397,7 @@ def _absorbed_end(eqns: Sequence[Any], plan: list, island: list[bool], j: int) -
     """
     k, last = j, j
     while k < len(eqns) and not island[k] and not eqns[k].effects and plan[k][0] == _plan.RULE:
-        if plan[k][1] is _rules.use_compute_precision:
+        if _rules.is_compute_rule(plan[k][1]):
             last = k + 1
         elif not _plan.is_linear(eqns[k]):
             break
@@ -420,9 +423,7 @@ def _eval_island(
     saved."""
     n_island = len(eqns) if n_island is None else n_island
     save = frozenset(
-        e.primitive.name
-        for e, (kind, rule) in zip(eqns[n_island:], steps[n_island:])
-        if rule is _rules.use_compute_precision
+        e.primitive.name for e, (kind, rule) in zip(eqns[n_island:], steps[n_island:]) if _rules.is_compute_rule(rule)
     )
     inputs = _island_inputs(eqns)
     outputs = [

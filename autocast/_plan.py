@@ -127,7 +127,7 @@ def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> dict[int, set[int]]
     outs = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
     wide: dict[int, set[int]] = {}
     for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, steps)):
-        if kind != RULE or rule is not _rules.use_compute_precision or eqn.primitive.name not in _wide.BILINEAR:
+        if kind != RULE or not _rules.is_compute_rule(rule) or eqn.primitive.name not in _wide.BILINEAR:
             continue
         floats = [v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype) and not isinstance(v, _compat.DropVar)]
         # read in float32 by every consumer, all of them equations of this jaxpr (what a
@@ -233,7 +233,7 @@ def _narrowed(ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], out_na
         outs_ok = all(
             isinstance(v, _compat.DropVar) or ok.get(v, False) for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype)
         )
-        if kind == RULE and rule is _rules.use_compute_precision:
+        if kind == RULE and _rules.is_compute_rule(rule):
             flags = [True] * len(eqn.invars)
         elif kind == RULE and rule is _rules.use_input_precision and eqn.primitive.name in COMMUTES_WITH_ROUNDING:
             flags = [outs_ok] * len(eqn.invars)

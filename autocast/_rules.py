@@ -67,6 +67,14 @@ def use_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     return _cast_all(invars, idx, compute_dtype), _with_preferred(params, compute_dtype)
 
 
+def is_compute_rule(rule: Any) -> bool:
+    """Whether ``rule`` runs its equation in the compute dtype the way
+    :func:`use_compute_precision` does (a matmul in half precision): the planner then treats
+    the equation as a half-precision consumer of its operands and a producer of a
+    half-precision result. A rule opts in with the attribute ``compute_like = True``."""
+    return rule is use_compute_precision or getattr(rule, "compute_like", False) is True
+
+
 def use_float32_precision(compute_dtype, original_dtypes, *invars, **params):
     """Float operands in float32; the result stays float32 (exp/log, reductions, ...)."""
     idx = _castable_pairs(original_dtypes, invars)
