@@ -533,7 +533,14 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
     new_invals, params = _check_rule_result(result, prim, rule, invals, orig)
     if prim.name in _SCATTERS:
         params = _retype_combiner(ctx, params, new_invals[0])
-    if widen and _wide.applies(prim, new_invals, params):
+    # A rule may bind the equation itself (``rule.binder``, e.g. a float8 matmul): it gets the
+    # operands as they arrived and as the rule cast them, and returns the outputs, or None
+    # to have the equation bound as usual.
+    binder = getattr(rule, "binder", None)
+    outs = binder(ctx, eqn, invals, new_invals, params) if binder is not None else None
+    if outs is not None:
+        pass
+    elif widen and _wide.applies(prim, new_invals, params):
         outs = _wide.bind(prim, new_invals, params)
     else:
         outs = _bind_broadcast_in_float32(eqn, prim, invals, new_invals, params)

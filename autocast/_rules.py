@@ -75,6 +75,12 @@ def is_compute_rule(rule: Any) -> bool:
     return rule is use_compute_precision or getattr(rule, "compute_like", False) is True
 
 
+# A rule may also carry ``binder(ctx, eqn, arrived, cast, params) -> outputs | None``: the
+# interpreter then calls it instead of binding the primitive on the cast operands
+# (``arrived``: the operands before the rule; ``cast``: what the rule returned). It returns
+# the equation's outputs, or None to have the equation bound as usual.
+
+
 def use_float32_precision(compute_dtype, original_dtypes, *invars, **params):
     """Float operands in float32; the result stays float32 (exp/log, reductions, ...)."""
     idx = _castable_pairs(original_dtypes, invars)
