@@ -21,6 +21,7 @@ What changed across the supported range, and where it is handled:
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -64,6 +65,8 @@ def open_and_consts(x: Any) -> tuple[Any, list[Any]]:
 
 def bind(prim: Primitive, invals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
     """Bind ``prim`` with equation ``params``; always returns a list of outputs."""
+    if prim.name in _MATMULS:
+        invals = half_matmul_operands(invals, params.get("preferred_element_type"))
     bind_params = prim.get_bind_params(params)
     if isinstance(bind_params, tuple):
         # JAX < 0.9.2: get_bind_params returned (subfuns, params); subfuns lead the operands.
@@ -73,6 +76,51 @@ def bind(prim: Primitive, invals: Sequence[Any], params: dict[str, Any]) -> list
         # JAX >= 0.9.2: a dict; call-like primitives keep their subfuns inside it.
         out = prim.bind(*invals, **bind_params)
     return list(out) if prim.multiple_results else [out]
+
+
+_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+@functools.cache
+def _float32_result_supported(dtype_name: str, backend: str) -> bool:
+    """Whether ``backend`` runs a ``dtype`` x ``dtype`` -> float32 matmul in every layout.
+
+    XLA:CPU (jaxlib 0.9.2 through 0.12.0.1 at least) rewrites most bfloat16 matmuls to
+    float32 ones, but not one whose transpose is folded into it after that rewrite: its
+    runtime then fails with ``Unsupported element type for DotThunk::Execute: BF16 x BF16 =
+    F32``. Probed once per dtype and backend with exactly that pattern (a matmul read through
+    a transpose), never by version."""
+    import numpy as np
+
+    def probe(a, b):
+        h = jax.numpy.maximum(a, 0).astype(dtype_name)
+        out = jax.lax.dot_general(b.astype(dtype_name), h, (((1,), (0,)), ((), ())), preferred_element_type="float32")
+        return out.T
+
+    device = jax.devices(backend)[0]
+    try:
+        with jax.ensure_compile_time_eval():
+            a = jax.device_put(np.ones((8, 4), np.float32), device)
+            b = jax.device_put(np.ones((2, 8), np.float32), device)
+            out = np.asarray(jax.jit(probe)(a, b))
+        return bool(np.all(out == 8.0))
+    except Exception:  # XlaRuntimeError (UNIMPLEMENTED) on backends without the kernel
+        return False
+
+
+def half_matmul_operands(invals: Sequence[Any], preferred: Any) -> Sequence[Any]:
+    """The operands of a half-precision matmul with a float32 result, as the default backend
+    can run them: unchanged where it has the kernel; else converted to float32 first (the
+    same products, exact in float32, and the same float32 accumulation)."""
+    if preferred is None or str(preferred) != "float32" or len(invals) != 2:
+        return invals
+    names = {str(getattr(x, "dtype", "")) for x in invals}
+    if len(names) != 1 or names.isdisjoint({"bfloat16", "float16"}):
+        return invals
+    (name,) = names
+    if _float32_result_supported(name, jax.default_backend()):
+        return invals
+    return [jax.lax.convert_element_type(x, "float32") for x in invals]
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:

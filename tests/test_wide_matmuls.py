@@ -25,10 +25,21 @@ F32 = np.dtype(np.float32)
 
 
 def _matmuls(fn, *args):
-    """(operand dtypes, result dtype) of every dot_general / conv in ``make_jaxpr(fn)``."""
+    """(operand dtypes, result dtype) of every dot_general / conv in ``make_jaxpr(fn)``.
+
+    An operand converted from half precision to float32 just before the matmul counts as
+    half: where the backend has no half x half -> float32 kernel for every layout (XLA:CPU
+    and bfloat16), the operands are widened exactly (``_compat.half_matmul_operands``)."""
     closed = jax.make_jaxpr(fn)(*args)
+    widened = {
+        e.outvars[0]: np.dtype(e.invars[0].aval.dtype)
+        for e, _ in walk(closed)
+        if e.primitive.name == "convert_element_type"
+        and np.dtype(e.invars[0].aval.dtype) in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+        and np.dtype(e.outvars[0].aval.dtype) == F32
+    }
     return [
-        (tuple(np.dtype(v.aval.dtype) for v in e.invars), np.dtype(e.outvars[0].aval.dtype))
+        (tuple(widened.get(v, np.dtype(v.aval.dtype)) for v in e.invars), np.dtype(e.outvars[0].aval.dtype))
         for e, _ in walk(closed)
         if e.primitive.name in ("dot_general", "conv_general_dilated")
     ]
@@ -165,3 +176,30 @@ def test_lstm_gates_under_scan_in_auto():
     for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g32)):
         assert a.dtype == jnp.float32
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: np.dtype(d).name)
+def test_float32_result_runs_in_every_layout(dtype):
+    """XLA:CPU has no bfloat16 x bfloat16 -> float32 kernel for a matmul whose transpose is
+    folded into it (``DotThunk::Execute: BF16 x BF16 = F32``): such matmuls, and the last
+    layer of an ``eqx.nn.MLP`` under ``vmap`` read by a squared error, must still run and
+    give the float32 product of the half-precision operands."""
+    x, w = _data()
+    fn = autocast.amp(
+        lambda w, x: jnp.sum(jnp.tanh(x) @ w * 0.5, axis=0) + (jnp.tanh(x) @ w).T[:, 0], compute_dtype=dtype
+    )
+    got = jax.jit(fn)(w, x)
+    h = jnp.tanh(x).astype(dtype).astype(jnp.float32)
+    p = h @ w.astype(dtype).astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jnp.sum(p * 0.5, axis=0) + p.T[:, 0]), rtol=2e-2, atol=2e-2)
+
+    model = eqx.nn.MLP(2, 2, 64, 2, key=jax.random.key(0))
+    xs = jax.random.normal(jax.random.key(1), (32, 2))
+
+    def loss(model, x):
+        return jnp.mean((jax.vmap(model)(x) - x) ** 2)
+
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(autocast.amp(loss, compute_dtype=dtype)))(model, xs)
+    ref = loss(model, xs)
+    assert abs(float(value) - float(ref)) < 5e-2 * max(1.0, abs(float(ref)))
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(eqx.filter(grads, eqx.is_array)))
