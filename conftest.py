@@ -9,7 +9,8 @@ so the multi-device examples run on a laptop. Semantics (docs/contributing.md):
   says why (``tests/test_docs.py`` checks that, and how many there are);
 * docstrings in ``autocast/``: ```python blocks and ``Example::`` literal blocks run, one
   namespace per module, pre-filled by ``_docstring_namespace`` with a small model
-  (``loss_fn(params, batch)``, ``params``, ``batch``, ``model``, ``optim``, ...).
+  (``loss_fn(params, batch)``, ``params``, ``batch``, ``model``, ``optim``, ...) and the
+  compat modules as ``jmp``, ``mpx`` and ``jaxamp``.
 
 Bash, shell, TOML and ``text`` blocks (output transcripts) are not executed.
 """
@@ -24,6 +25,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from sybil import Lexeme, Region, Sybil  # noqa: E402
 from sybil.evaluators.python import PythonEvaluator  # noqa: E402
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser  # noqa: E402
+
 
 class LiteralExampleParser:
     """Sybil parser for docstring ``Example::`` literal blocks: the indented block after it is Python."""
@@ -66,6 +68,9 @@ def _docstring_namespace(namespace):
     import optax
 
     import autocast
+    import autocast.compat.jaxamp as jaxamp
+    import autocast.compat.jmp as jmp
+    import autocast.compat.mpx as mpx
 
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     params = {"w1": 0.5 * jax.random.normal(k1, (4, 16)), "w2": 0.5 * jax.random.normal(k2, (16, 2))}
@@ -89,6 +94,9 @@ def _docstring_namespace(namespace):
         np=np,
         optax=optax,
         autocast=autocast,
+        jaxamp=jaxamp,
+        jmp=jmp,
+        mpx=mpx,
         params=params,
         batch=(x, y),
         x=x,
