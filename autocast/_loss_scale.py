@@ -22,7 +22,7 @@ Sharp edges:
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -273,6 +273,10 @@ class _AbstractScalerState(eqx.Module):
     _can_back_off: ClassVar[bool] = False
 
     # Subclasses provide `scaler` (float32 scalar) and `grads_finite` (bool scalar).
+    if TYPE_CHECKING:  # for the type checker only: not dataclass fields of this base
+
+        @property
+        def scaler(self) -> jax.Array: ...
 
     def scale(self, tree: Any) -> Any:
         """Multiply every floating leaf by the scale, in float32 (or wider).

@@ -45,7 +45,7 @@ class AmpPolicy(Mapping):
     """
 
     def __init__(self, layers: tuple[Mapping, ...], name: str, unresolved: tuple[str, ...] = ()):
-        self._chain = collections.ChainMap(*layers)
+        self._chain: collections.ChainMap[Any, Any] = collections.ChainMap(*layers)  # type: ignore[arg-type]
         self._layers = layers
         self.name = name
         self.unresolved = unresolved

@@ -267,7 +267,7 @@ def _add_state_to_signature(wrapper: Callable, fun: Callable) -> None:
     except (TypeError, ValueError):  # builtins without a signature
         signature = None
     if signature is None or "dynamic_scaler_state" in signature.parameters:
-        del wrapper.__wrapped__  # fall back to (*args, dynamic_scaler_state, **kwargs)
+        del wrapper.__wrapped__  # type: ignore[attr-defined]  # fall back to (*args, dynamic_scaler_state, **kwargs)
         return
     params = list(signature.parameters.values())
     state = inspect.Parameter("dynamic_scaler_state", inspect.Parameter.KEYWORD_ONLY)

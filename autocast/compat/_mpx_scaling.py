@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -257,7 +257,9 @@ def _mixed(
     if not isinstance(scaling, DynamicLossScaling):
         raise TypeError(f"{name}: `scaling` must be an mpx.DynamicLossScaling; got {type(scaling).__name__}.")
     args, kwargs = _half_inputs(half, automatic, args, kwargs)
-    loss, aux, grads = _value_and_grads(name, fn, scaling, args, kwargs, has_aux=has_aux, filter=True, argnums=0)
+    loss, aux, grads = _value_and_grads(
+        name, fn, cast(Any, scaling), args, kwargs, has_aux=has_aux, filter=True, argnums=0
+    )
     finite = _all_finite(grads)
     return cast_to_full_precision(loss), aux, scaling.adjust(finite), finite, grads
 
