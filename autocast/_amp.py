@@ -96,7 +96,7 @@ class _AmpFunction:
 
     def _trace(self, treedef, dynamic_mask, static, dynamic, scopes) -> _Traced:
         self.trace_count += 1
-        out_info = {}
+        out_info: dict[Any, Any] = {}
 
         def flat_fn(*dyn):
             args, kwargs = _combine(treedef, dynamic_mask, dyn, static)

@@ -234,7 +234,7 @@ def aval_with_dtype(aval: Any, dtype: Any) -> Any:
 
 def typeof(x: Any) -> Any:
     """The abstract value of a concrete or traced value."""
-    return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)  # JAX < 0.6
+    return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)  # type: ignore[attr-defined]  # JAX < 0.6
 
 
 def is_tracer(x: Any) -> bool:

@@ -189,6 +189,12 @@ class Explanation:
 
     Attributes: ``rows`` (one per group of equations), ``totals``, ``float32_matmuls``,
     ``compute_dtype``. ``print(explanation)`` shows a table (``rich`` when installed).
+
+    Example::
+
+        report = autocast.explain(loss_fn)(params, batch)
+        assert isinstance(report, autocast.Explanation) and not report.float32_matmuls
+        table = report.to_markdown()
     """
 
     def __init__(self, compute_dtype: str, records: list[_Record], totals: dict[str, Any]):

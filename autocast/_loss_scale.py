@@ -22,7 +22,7 @@ Sharp edges:
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -273,6 +273,10 @@ class _AbstractScalerState(eqx.Module):
     _can_back_off: ClassVar[bool] = False
 
     # Subclasses provide `scaler` (float32 scalar) and `grads_finite` (bool scalar).
+    if TYPE_CHECKING:  # for the type checker only: not dataclass fields of this base
+
+        @property
+        def scaler(self) -> jax.Array: ...
 
     def scale(self, tree: Any) -> Any:
         """Multiply every floating leaf by the scale, in float32 (or wider).
@@ -329,10 +333,10 @@ class DynamicScalerState(_AbstractScalerState):
     Example:
 
     ```python
-    state = DynamicScalerState(scaler=2.0**15)
+    state = autocast.DynamicScalerState(scaler=2.0**15)
     grads = jax.grad(lambda p: state.scale(loss(p)))(params)
-    grads = state.unscale(grads)            # with the scale the loss was multiplied by
-    state = state.adjust(all_finite(grads))  # then adjust
+    grads = state.unscale(grads)  # with the scale the loss was multiplied by
+    state = state.adjust(autocast.all_finite(grads))  # then adjust
     ```
     """
 
@@ -421,6 +425,12 @@ class StaticScalerState(_AbstractScalerState):
     - `grads_finite`: whether the gradients returned with this state were finite.
 
     `adjust(grads_finite)` only records the flag; the scale never changes.
+
+    Example::
+
+        state = autocast.StaticScalerState(2.0**8)
+        state, grads = autocast.dynamic_scale_grad(loss_fn)(params, batch, dynamic_scaler_state=state)
+        assert float(state.scaler) == 2.0**8
     """
 
     _leaf_fields: ClassVar[tuple[str, ...]] = ("scaler", "grads_finite")
@@ -450,6 +460,14 @@ class NoOpScalerState(_AbstractScalerState):
     `scale` and `unscale` return their input unchanged, `scaler` is 1, and
     `adjust(grads_finite)` only records the flag, so a training step written for a
     dynamic scaler also runs unchanged with this one.
+
+    **Arguments:** `grads_finite`: whether the gradients returned with this state were finite.
+
+    Example::
+
+        bf16_loss = autocast.amp(loss_fn, compute_dtype=jnp.bfloat16)
+        state = autocast.NoOpScalerState()
+        state, grads = autocast.dynamic_scale_grad(bf16_loss)(params, batch, dynamic_scaler_state=state)
     """
 
     _leaf_fields: ClassVar[tuple[str, ...]] = ("grads_finite",)

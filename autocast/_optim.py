@@ -60,8 +60,9 @@ def optimizer_update(
     Example:
 
     ```python
-    state, grads = dynamic_scale_grad(loss)(model, batch, dynamic_scaler_state=state)
-    model, opt_state = optimizer_update(model, optim, opt_state, grads, state.grads_finite)
+    state = autocast.DynamicScalerState()
+    state, grads = autocast.dynamic_scale_grad(loss_fn)(params, batch, dynamic_scaler_state=state)
+    params, opt_state = autocast.optimizer_update(params, optim, opt_state, grads, state.grads_finite)
     ```
     """
     finite = _as_flag(grads_finite, "optimizer_update: `grads_finite`")

@@ -65,7 +65,19 @@ _REARRANGING = frozenset(
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """One equation where half precision breaks (see :func:`autocast.find_overflow`)."""
+    """One equation where half precision breaks (see :func:`autocast.find_overflow`).
+
+    Fields: `kind` (`"overflow"`, `"nan"` or `"underflow"`), `primitive`, `source`, `scopes`,
+    `path`, the value ranges in half precision and float32, the number of elements affected,
+    and a one-line suggestion; `str(finding)` prints all of it.
+
+    Example::
+
+        big = {"w1": params["w1"], "w2": params["w2"] * 1e5}  # float16 tops out at 65504
+        findings = autocast.find_overflow(loss_fn)(big, batch)
+        assert findings and isinstance(findings[0], autocast.Finding)
+        print(findings[0])
+    """
 
     primitive: str
     kind: str

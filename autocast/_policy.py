@@ -36,10 +36,16 @@ class AmpPolicy(Mapping):
     Build one with :func:`load_policy` or :func:`extend_policy`; a plain ``dict`` works
     wherever a policy is taken, too. Lookups are live: ``extend_policy`` layers sit on top of
     their base, so rules registered later with :func:`register_rule` are seen.
+
+    Example::
+
+        policy = autocast.extend_policy({jax.lax.tanh_p: autocast.use_float32_precision})
+        assert isinstance(policy, autocast.AmpPolicy)
+        assert policy[jax.lax.tanh_p] is autocast.use_float32_precision
     """
 
     def __init__(self, layers: tuple[Mapping, ...], name: str, unresolved: tuple[str, ...] = ()):
-        self._chain = collections.ChainMap(*layers)
+        self._chain: collections.ChainMap[Any, Any] = collections.ChainMap(*layers)  # type: ignore[arg-type]
         self._layers = layers
         self.name = name
         self.unresolved = unresolved
@@ -141,6 +147,15 @@ def load_policy(source: str | os.PathLike = "default") -> AmpPolicy:
     TOML file by path. See ``policies/README.md`` for the format.
 
     Rules registered with :func:`register_rule` take precedence over the table.
+
+    **Arguments:** `name_or_path`: `"default"`, `"matmul_only"`, or the path of a TOML file.
+
+    **Returns:** an `AmpPolicy`.
+
+    Example::
+
+        policy = autocast.load_policy("matmul_only")
+        loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
     """
     table, origin = _read_table(source)
     prims, scopes, fallback = table_categories(table, origin)
@@ -189,6 +204,15 @@ def register_rule(primitive: _compat.Primitive, rule: _rules.Rule | None = None)
         @autocast.register_rule(my_kernel_p)
         def _(compute_dtype, original_dtypes, *invars, **params):
             return autocast.use_compute_precision(compute_dtype, original_dtypes, *invars, **params)
+
+    Example::
+
+        from jax.extend.core import Primitive
+
+        my_kernel_p = Primitive("my_kernel")  # a third-party primitive
+        autocast.register_rule(my_kernel_p, autocast.use_compute_precision)
+        assert autocast.default_amp_policy[my_kernel_p] is autocast.use_compute_precision
+        autocast.unregister_rule(my_kernel_p)
     """
     if not isinstance(primitive, _compat.Primitive):
         raise TypeError(f"register_rule: primitive={primitive!r} is not a jax Primitive (e.g. jax.lax.exp_p).")
@@ -201,7 +225,21 @@ def register_rule(primitive: _compat.Primitive, rule: _rules.Rule | None = None)
 
 
 def unregister_rule(primitive: _compat.Primitive) -> None:
-    """Remove a rule added with :func:`register_rule` (no error if there is none)."""
+    """Remove a rule added with :func:`register_rule` (no error if there is none).
+
+    **Arguments:** `primitive`: a `jax.extend.core.Primitive` given to `register_rule`.
+
+    **Returns:** `None`.
+
+    Example::
+
+        from jax.extend.core import Primitive
+
+        my_kernel_p = Primitive("my_kernel")
+        autocast.register_rule(my_kernel_p, autocast.use_float32_precision)
+        autocast.unregister_rule(my_kernel_p)
+        assert my_kernel_p not in autocast.default_amp_policy
+    """
     _REGISTRY.pop(primitive, None)
 
 

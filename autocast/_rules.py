@@ -62,6 +62,14 @@ def use_compute_precision(compute_dtype, original_dtypes, *invars, **params):
 
     A ``preferred_element_type`` becomes the compute dtype too, so the result is stored in
     half precision (XLA still accumulates in float32 on GPUs and TPUs).
+
+    **Returns:** the operands to bind with and the parameters (the rule protocol, see
+    [Policies and rules](../policies.md)).
+
+    Example::
+
+        policy = autocast.extend_policy({jax.lax.cumsum_p: autocast.use_compute_precision})
+        loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
     """
     idx = _castable_pairs(original_dtypes, invars)
     return _cast_all(invars, idx, compute_dtype), _with_preferred(params, compute_dtype)
@@ -82,13 +90,29 @@ def is_compute_rule(rule: Any) -> bool:
 
 
 def use_float32_precision(compute_dtype, original_dtypes, *invars, **params):
-    """Float operands in float32; the result stays float32 (exp/log, reductions, ...)."""
+    """Float operands in float32; the result stays float32 (exp/log, reductions, ...).
+
+    **Returns:** the operands to bind with and the parameters (the rule protocol).
+
+    Example::
+
+        policy = autocast.extend_policy({jax.lax.tanh_p: autocast.use_float32_precision})
+        loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+    """
     idx = _castable_pairs(original_dtypes, invars)
     return _cast_all(invars, idx, _dtypes.FLOAT32), _with_preferred(params, _dtypes.FLOAT32)
 
 
 def use_original_precision(compute_dtype, original_dtypes, *invars, **params):
-    """Every operand back in the dtype it had when the function was traced."""
+    """Every operand back in the dtype it had when the function was traced.
+
+    **Returns:** the operands to bind with and the parameters (the rule protocol).
+
+    Example::
+
+        policy = autocast.extend_policy({"head": autocast.use_original_precision})  # a named scope
+        loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+    """
     out = list(invars)
     for i in _castable_pairs(original_dtypes, invars):
         out[i] = _dtypes.cast(out[i], original_dtypes[i])
@@ -96,7 +120,15 @@ def use_original_precision(compute_dtype, original_dtypes, *invars, **params):
 
 
 def use_widest_precision(compute_dtype, original_dtypes, *invars, **params):
-    """Mixed float operands promoted to the widest of their current dtypes."""
+    """Mixed float operands promoted to the widest of their current dtypes.
+
+    **Returns:** the operands to bind with and the parameters (the rule protocol).
+
+    Example::
+
+        policy = autocast.extend_policy({jax.lax.add_p: autocast.use_widest_precision})
+        loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+    """
     idx = _castable_pairs(original_dtypes, invars)
     if not idx:
         return list(invars), params
@@ -112,6 +144,13 @@ def use_input_precision(compute_dtype, original_dtypes, *invars, **params):
     broadcast from them) are cast to it, so ``x16 + bias32`` and ``x16 * 0.5`` stay in half
     precision. Computed operands of different dtypes are promoted to the widest, so a
     float32 statistic is never rounded to half precision (``x16 - mean32`` runs in float32).
+
+    **Returns:** the operands to bind with and the parameters (the rule protocol).
+
+    Example::
+
+        policy = autocast.extend_policy({jax.lax.exp_p: autocast.use_input_precision})
+        loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
     """
     idx = _castable_pairs(original_dtypes, invars)
     if len(idx) < 2:
@@ -124,12 +163,30 @@ def use_input_precision(compute_dtype, original_dtypes, *invars, **params):
 
 
 def use_as_is(compute_dtype, original_dtypes, *invars, **params):
-    """No casting at all (operands of independent dtypes: sort keys and values, barriers)."""
+    """No casting at all (operands of independent dtypes: sort keys and values, barriers).
+
+    **Returns:** the operands unchanged and the parameters (the rule protocol).
+
+    Example::
+
+        policy = autocast.extend_policy({jax.lax.sort_p: autocast.use_as_is})
+        loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+    """
     return list(invars), params
 
 
 def use_precision(dtype: Any) -> Rule:
-    """A rule that casts the float operands to ``dtype`` (float16, bfloat16 or float32)."""
+    """A rule that casts the float operands to ``dtype`` (float16, bfloat16 or float32).
+
+    **Arguments:** `dtype`: float16, bfloat16 or float32 (a dtype or its name).
+
+    **Returns:** a rule with the rule protocol.
+
+    Example::
+
+        policy = autocast.extend_policy({"rms_norm": autocast.use_precision(jnp.float32)})
+        loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+    """
     target = _dtypes.canonical_compute_dtype(dtype, argument="dtype")
 
     def rule(compute_dtype, original_dtypes, *invars, **params):

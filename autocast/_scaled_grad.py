@@ -267,7 +267,7 @@ def _add_state_to_signature(wrapper: Callable, fun: Callable) -> None:
     except (TypeError, ValueError):  # builtins without a signature
         signature = None
     if signature is None or "dynamic_scaler_state" in signature.parameters:
-        del wrapper.__wrapped__  # fall back to (*args, dynamic_scaler_state, **kwargs)
+        del wrapper.__wrapped__  # type: ignore[attr-defined]  # fall back to (*args, dynamic_scaler_state, **kwargs)
         return
     params = list(signature.parameters.values())
     state = inspect.Parameter("dynamic_scaler_state", inspect.Parameter.KEYWORD_ONLY)
@@ -315,9 +315,14 @@ def dynamic_scale_value_and_grad(
     Example:
 
     ```python
-    grad_fn = dynamic_scale_value_and_grad(loss_fn, has_aux=True)
-    state, ((loss, metrics), grads) = grad_fn(model, batch, dynamic_scaler_state=state)
-    model, opt_state = optimizer_update(model, optim, opt_state, grads, state.grads_finite)
+    def loss_and_metrics(params, batch):
+        loss = loss_fn(params, batch)
+        return loss, {"loss": loss}
+
+    grad_fn = autocast.dynamic_scale_value_and_grad(autocast.amp(loss_and_metrics), has_aux=True)
+    state = autocast.DynamicScalerState()
+    state, ((loss, metrics), grads) = grad_fn(params, batch, dynamic_scaler_state=state)
+    params, opt_state = autocast.optimizer_update(params, optim, opt_state, grads, state.grads_finite)
     ```
     """
     if fun is None:
@@ -360,7 +365,8 @@ def dynamic_scale_grad(
     Example:
 
     ```python
-    state, grads = dynamic_scale_grad(loss_fn)(params, batch, dynamic_scaler_state=state)
+    state = autocast.DynamicScalerState()
+    state, grads = autocast.dynamic_scale_grad(autocast.amp(loss_fn))(params, batch, dynamic_scaler_state=state)
     ```
     """
     if fun is None:

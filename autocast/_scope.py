@@ -25,14 +25,22 @@ def amp_stop(fn=None):
     and ``checkpoint`` bodies) runs in the dtypes it was traced with, whatever the policy.
     It is the named scope ``"amp_stop"``, so it costs nothing outside :func:`autocast.amp`.
 
+    **Arguments:** `fn` (optional): a function to run with mixed precision off.
+
+    **Returns:** `fn` wrapped, or (without `fn`) a context manager.
+
     Example::
 
         @autocast.amp_stop
-        def precise_matmul(w, x):
-            return w @ x
+        def precise_matmul(x, w):
+            return x @ w
 
-        with autocast.amp_stop():
-            z = w @ y
+        def f(params, x):
+            with autocast.amp_stop():
+                h = x @ params["w1"]  # float32
+            return precise_matmul(jnp.tanh(h), params["w2"])  # float32 too
+
+        assert autocast.amp(f)(params, x).dtype == jnp.float32
     """
     if fn is None:
         return jax.named_scope(AMP_STOP)

@@ -17,7 +17,10 @@ Run from the repo root::
     python -m benchmarks.bench_vit --shape desktop --sizes 8 16 32 64
     python -m benchmarks.bench_vit --shape base --sizes 1 2
 
-Results go to ``benchmarks/results/vit_<shape>[_quick].{json,md,png}``.
+Results go to ``benchmarks/results/vit_<shape>[_quick].{json,md,png}``. The figure is
+redrawn from the committed JSON, without running anything, by::
+
+    python -m benchmarks.bench_vit --plot-only vit_desktop vit_base vit_desktop_headtohead vit_desktop_quick
 """
 
 from __future__ import annotations
@@ -565,18 +568,48 @@ def summarise(shape: str, sizes: dict[int, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def plot(shape: str, sizes: dict[int, dict[str, Any]], path) -> None:
-    """Step time and activation memory against batch size (cf. MPX paper Figs. 1-2)."""
+def plot(shape: str, sizes: dict[int, dict[str, Any]], path, backend: str | None = None) -> None:
+    """Activation memory and step time per system: against batch size when several were run
+    (cf. MPX paper Figs. 1-2), as bar charts when there is one batch size (a head-to-head)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    backend = backend or jax.default_backend()
     names = sorted(
         {n for res in sizes.values() for n, r in res.items() if "error" not in r},
         key=(ALL_SYSTEMS + EXTRA_SYSTEMS).index,
     )
+    if len(sizes) == 1:
+        ((bs, res),) = sizes.items()
+        names = [n for n in names if "step_s" in res.get(n, {})]
+        memory = [res[n]["residuals"]["activation"] / 2**20 for n in names]
+        step = [res[n]["step_s"]["median"] * 1e3 for n in names]
+        colors = [
+            "#888888" if n.startswith("fp32") else "#3b5bdb" if n.startswith("autocast") else "#e8590c" for n in names
+        ]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.6), sharey=True)
+        for ax, values, label in (
+            (axes[0], memory, "activation memory (MiB, vjp residuals)"),
+            (axes[1], step, f"step time (ms, median, {backend})"),
+        ):
+            ypos = range(len(names))
+            ax.barh(ypos, values, color=colors)
+            for y, v in zip(ypos, values):
+                ax.text(v, y, f" {v:.1f}", va="center", fontsize=8)
+            ax.set_xlabel(label)
+            ax.set_xlim(0, max(values) * 1.18)
+            ax.grid(axis="x", alpha=0.3)
+        axes[0].set_yticks(range(len(names)), names)
+        axes[0].invert_yaxis()
+        axes[0].set_title(f"ViT-{shape}, batch {bs}: activation memory")
+        axes[1].set_title(f"ViT-{shape}, batch {bs}: training step time")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in names:
         bss = [bs for bs, res in sizes.items() if "step_s" in res.get(name, {})]
         if not bss:
@@ -586,15 +619,22 @@ def plot(shape: str, sizes: dict[int, dict[str, Any]], path) -> None:
     axes[0].set(
         xlabel="batch size", ylabel="activation memory (MiB, vjp residuals)", title=f"ViT-{shape}: activation memory"
     )
-    axes[1].set(
-        xlabel="batch size", ylabel=f"step time (ms, {jax.default_backend()})", title=f"ViT-{shape}: training step time"
-    )
+    axes[1].set(xlabel="batch size", ylabel=f"step time (ms, {backend})", title=f"ViT-{shape}: training step time")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+        ax.set_xticks(sorted(sizes))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def replot(stem: str) -> None:
+    """Redraw ``results/<stem>.png`` from the committed ``results/<stem>.json`` (no benchmark run)."""
+    data = json.loads((C.RESULTS_DIR / f"{stem}.json").read_text())
+    sizes = {int(k): v for k, v in data["results"].items()}
+    plot(data["shape"], sizes, C.RESULTS_DIR / f"{stem}.png", backend=data["meta"].get("backend"))
+    print(f"wrote {C.RESULTS_DIR / stem}.png from {stem}.json")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -621,8 +661,18 @@ def main(argv: list[str] | None = None) -> None:
         "--no-peak", action="store_true", help="skip the per-system subprocess that reads peak device memory"
     )
     ap.add_argument("--out", help="output file stem (default vit_<shape>[_quick])")
+    ap.add_argument(
+        "--plot-only",
+        nargs="+",
+        metavar="STEM",
+        help="redraw results/STEM.png from the committed results/STEM.json and exit (e.g. vit_desktop_headtohead)",
+    )
     ap.add_argument("--_peak-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.plot_only:
+        for stem in args.plot_only:
+            replot(stem)
+        return
 
     if args._peak_child:
         shape, name, bs = args._peak_child

@@ -1,4 +1,4 @@
-"""``autocast.explain`` and ``autocast.find_overflow`` on the desktop ViT (the README's output).
+"""``autocast.explain`` and ``autocast.find_overflow`` on the desktop ViT (the output quoted in docs/debugging.md).
 
 1. ``explain`` of the desktop ViT loss (the shape ``bench_vit.py`` calls "desktop"): the
    table, the totals and the float32 matmuls (none), with the time it takes (trace only).

@@ -7,6 +7,6 @@ Nothing is imported here; import the submodule for the library you are migrating
 - ``autocast.compat.jaxamp``: the API of jaxamp 0.0.4 (``import autocast.compat.jaxamp as jaxamp``).
 
 Each keeps its library's names, signatures and defaults, routes the work to autocast's
-casting and loss-scaling code, and fixes that library's known bugs; the README section
-"Differences from jaxamp, MPX and jmp" lists every difference.
+casting and loss-scaling code, and fixes that library's known bugs; the docs page "Loss scaling" (docs/loss-scaling.md,
+"Differences from jaxamp, MPX and jmp") and the migration guides list every difference.
 """

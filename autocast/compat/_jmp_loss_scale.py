@@ -139,11 +139,14 @@ class DynamicLossScale(eqx.Module):
 
     Example::
 
-        loss_scale = DynamicLossScale(jnp.float32(2**15))
+        import autocast.compat.jmp as jmp
+
+        loss_scale = jmp.DynamicLossScale(jnp.float32(2**15))
         grads = loss_scale.unscale(jax.grad(lambda p: loss_scale.scale(loss(p)))(params))
-        finite = all_finite(grads)
+        finite = jmp.all_finite(grads)
         loss_scale = loss_scale.adjust(finite)
-        params = select_tree(finite, new_params, params)
+        new_params = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+        params = jmp.select_tree(finite, new_params, params)
     """
 
     loss_scale: jax.Array

@@ -52,7 +52,15 @@ name_to_dtype: dict[str, np.dtype] = {name: dtype for dtype, names in dtype_to_n
 
 
 def half_dtype() -> np.dtype:
-    """The half-precision dtype for the default backend: bfloat16 on TPU, float16 elsewhere."""
+    """The half-precision dtype for the default backend: bfloat16 on TPU, float16 elsewhere.
+
+    **Returns:** `jnp.bfloat16` or `jnp.float16`.
+
+    Example::
+
+        policy = jmp.get_policy("params=float32,compute=half,output=float32")
+        assert policy.compute_dtype == jmp.half_dtype()
+    """
     on_tpu = jax.local_devices()[0].platform == "tpu"
     return jnp.dtype(jnp.bfloat16 if on_tpu else jnp.float16)
 
@@ -145,7 +153,15 @@ class Policy:
 
 def parse_dtype(value: str) -> np.dtype:
     """A dtype from its name: ``"half"`` (see :func:`half_dtype`), ``"full"``, ``"f32"``,
-    ``"float16"``, ``"bf16"``, ... (the names in ``dtype_to_names``)."""
+    ``"float16"``, ``"bf16"``, ... (the names in ``dtype_to_names``).
+
+    **Arguments:** `value`: a dtype name. **Returns:** the NumPy dtype.
+
+    Example::
+
+        assert jmp.parse_dtype("bf16") == jnp.bfloat16
+        assert jmp.parse_dtype("full") == jnp.float32
+    """
     name = value.strip() if isinstance(value, str) else value
     if name == "half":
         return half_dtype()
@@ -205,10 +221,25 @@ def get_policy(policy_name: str) -> Policy:
 
 
 def cast_to_full(tree: T) -> T:
-    """``tree`` with its floating leaves in float32."""
+    """``tree`` with its floating leaves in float32.
+
+    **Arguments:** `tree`: any pytree. **Returns:** the same tree, floating leaves in float32.
+
+    Example::
+
+        half = jmp.cast_to_half(params)
+        assert jmp.cast_to_full(half)["w1"].dtype == jnp.float32
+    """
     return _cast_floating_to(tree, jnp.float32)
 
 
 def cast_to_half(tree: T) -> T:
-    """``tree`` with its floating leaves in :func:`half_dtype`."""
+    """``tree`` with its floating leaves in :func:`half_dtype`.
+
+    **Arguments:** `tree`: any pytree. **Returns:** the same tree, floating leaves in the half dtype.
+
+    Example::
+
+        assert jmp.cast_to_half(params)["w1"].dtype == jmp.half_dtype()
+    """
     return _cast_floating_to(tree, half_dtype())

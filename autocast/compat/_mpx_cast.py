@@ -67,7 +67,14 @@ def set_half_precision_datatype(datatype: Any) -> None:
 
 
 def half_precision_datatype() -> Any:
-    """The configured half-precision dtype: `jnp.float16` (the default) or `jnp.bfloat16`."""
+    """The configured half-precision dtype: `jnp.float16` (the default) or `jnp.bfloat16`.
+
+    **Returns:** the dtype `set_half_precision_datatype` configured.
+
+    Example::
+
+        assert mpx.half_precision_datatype() == jnp.float16  # the default
+    """
     return _config["half"]
 
 
@@ -102,22 +109,50 @@ def cast_tree(tree: Any, dtype: Any) -> Any:
 
 
 def cast_to_float32(x: Any) -> Any:
-    """`cast_tree(x, jnp.float32)`."""
+    """`cast_tree(x, jnp.float32)`.
+
+    **Arguments:** `x`: any pytree. **Returns:** the tree with its floating array leaves in float32.
+
+    Example::
+
+        assert mpx.cast_to_float32(params)["w1"].dtype == jnp.float32
+    """
     return cast_tree(x, jnp.float32)
 
 
 def cast_to_float16(x: Any) -> Any:
-    """`cast_tree(x, jnp.float16)`."""
+    """`cast_tree(x, jnp.float16)`.
+
+    **Arguments:** `x`: any pytree. **Returns:** the tree with its floating array leaves in float16.
+
+    Example::
+
+        assert mpx.cast_to_float16(params)["w1"].dtype == jnp.float16
+    """
     return cast_tree(x, jnp.float16)
 
 
 def cast_to_bfloat16(x: Any) -> Any:
-    """`cast_tree(x, jnp.bfloat16)`."""
+    """`cast_tree(x, jnp.bfloat16)`.
+
+    **Arguments:** `x`: any pytree. **Returns:** the tree with its floating array leaves in bfloat16.
+
+    Example::
+
+        assert mpx.cast_to_bfloat16(params)["w1"].dtype == jnp.bfloat16
+    """
     return cast_tree(x, jnp.bfloat16)
 
 
 def cast_to_full_precision(x: Any) -> Any:
-    """`cast_tree(x, jnp.float32)`."""
+    """`cast_tree(x, jnp.float32)`.
+
+    **Arguments:** `x`: any pytree. **Returns:** the tree with its floating array leaves in float32.
+
+    Example::
+
+        assert mpx.cast_to_full_precision(params)["w1"].dtype == jnp.float32
+    """
     return cast_tree(x, jnp.float32)
 
 
@@ -131,6 +166,11 @@ def cast_to_half_precision(x: Any, half_dtype: Any = None) -> Any:
       with `set_half_precision_datatype`, read now.
 
     **Returns:** the cast pytree.
+
+    Example::
+
+        assert mpx.cast_to_half_precision(params)["w1"].dtype == jnp.float16
+        assert mpx.cast_to_half_precision(params, half_dtype="bfloat16")["w1"].dtype == jnp.bfloat16
     """
     return cast_tree(x, _resolve_half(half_dtype))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -146,7 +146,17 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 def select_tree(pred: Any, a: Any, b: Any) -> Any:
-    """Leafwise `a if pred else b` for a scalar bool `pred`; non-array leaves come from `a`."""
+    """Leafwise `a if pred else b` for a scalar bool `pred`; non-array leaves come from `a`.
+
+    **Arguments:** `pred` (scalar bool), `a`, `b` (pytrees of the same structure).
+
+    **Returns:** `a` where `pred`, else `b`, leaf by leaf.
+
+    Example::
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        assert mpx.select_tree(jnp.bool_(False), zeros, params) is not None
+    """
     return _select_tree(pred, a, b)
 
 
@@ -160,13 +170,30 @@ def optimizer_update(
     """One optax step if `grads_finite`; otherwise `(model, optimizer_state)` unchanged.
 
     **Returns:** `(model, optimizer_state)`. See `autocast.optimizer_update`.
+
+    Example::
+
+        grads = jax.grad(loss_fn)(params, batch)
+        new_params, new_state = mpx.optimizer_update(params, optim, opt_state, grads, jnp.bool_(False))
+        assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), new_params, params)))
     """
     return _optimizer_update(model, optimizer, optimizer_state, grads, grads_finite)
 
 
 def scaled(func: Callable, scaling: DynamicLossScaling, has_aux: bool = False) -> Callable:
     """`func` with its value (the first output if `has_aux`) multiplied by the scale, in
-    float32 (or wider)."""
+    float32 (or wider).
+
+    **Arguments:** `func`, `scaling` (a `DynamicLossScaling`), `has_aux`.
+
+    **Returns:** the wrapped function.
+
+    Example::
+
+        scaling = mpx.DynamicLossScaling(jnp.float32(2**10), jnp.float32(1.0))
+        scaled_loss = mpx.scaled(loss_fn, scaling)(params, batch)
+        assert float(scaled_loss) == float(loss_fn(params, batch)) * 2**10
+    """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -200,6 +227,14 @@ def calculate_scaled_grad(
 
     Returns what MPX returns: the *scaled* value (and aux) and the *scaled* gradients,
     neither unscaled nor checked. The value is scaled in float32.
+
+    Example::
+
+        def loss_and_aux(params, batch):
+            return loss_fn(params, batch), None
+
+        scaling = mpx.DynamicLossScaling(jnp.float32(2**10), jnp.float32(1.0))
+        (scaled_loss, aux), scaled_grads = mpx.calculate_scaled_grad(loss_and_aux, scaling, has_aux=True)(params, batch)
     """
     half = _resolve_half(half_dtype)
     fn = _maybe_amp(func, half, automatic)
@@ -222,7 +257,9 @@ def _mixed(
     if not isinstance(scaling, DynamicLossScaling):
         raise TypeError(f"{name}: `scaling` must be an mpx.DynamicLossScaling; got {type(scaling).__name__}.")
     args, kwargs = _half_inputs(half, automatic, args, kwargs)
-    loss, aux, grads = _value_and_grads(name, fn, scaling, args, kwargs, has_aux=has_aux, filter=True, argnums=0)
+    loss, aux, grads = _value_and_grads(
+        name, fn, cast(Any, scaling), args, kwargs, has_aux=has_aux, filter=True, argnums=0
+    )
     finite = _all_finite(grads)
     return cast_to_full_precision(loss), aux, scaling.adjust(finite), finite, grads
 
@@ -296,9 +333,14 @@ def filter_value_and_grad(
     Example:
 
     ```python
-    (loss, aux), scaling, finite, grads = mpx.filter_value_and_grad(
-        loss_fn, scaling=scaling, has_aux=True)(model, batch)
-    model, opt_state = mpx.optimizer_update(model, optim, opt_state, grads, finite)
+    def loss_and_aux(params, batch):
+        return loss_fn(params, batch), None
+
+    scaling = mpx.DynamicLossScaling(jnp.float32(2**15), jnp.float32(1.0), period=2000)
+    (loss, aux), scaling, finite, grads = mpx.filter_value_and_grad(loss_and_aux, scaling=scaling, has_aux=True)(
+        params, batch
+    )
+    params, opt_state = mpx.optimizer_update(params, optim, opt_state, grads, finite)
     ```
     """
     half = _resolve_half(half_dtype)

@@ -84,7 +84,18 @@ def amp(
 
 
 def amp_stop(f: Callable | None = None) -> Any:
-    """jaxamp's ``amp_stop``: :func:`autocast.amp_stop` (context manager or decorator)."""
+    """jaxamp's ``amp_stop``: :func:`autocast.amp_stop` (context manager or decorator).
+
+    **Arguments:** `f` (optional): a function. **Returns:** `f` wrapped, or a context manager.
+
+    Example::
+
+        def f(params, x):
+            with jaxamp.amp_stop():
+                return x @ params["w1"]
+
+        assert jaxamp.amp(f)(params, x).dtype == jnp.float32
+    """
     return _scope.amp_stop(f)
 
 
@@ -157,6 +168,11 @@ def dynamic_scale_grad(
 
     **Returns:** ``g(*args, dynamic_scaler_state=state)`` -> ``(new_state, grads)`` or
     ``(new_state, (grads, aux))``.
+
+    Example::
+
+        state = jaxamp.DynamicScalerState()
+        state, grads = jaxamp.dynamic_scale_grad(jaxamp.amp(loss_fn))(params, batch, dynamic_scaler_state=state)
     """
     options = _grad_options("dynamic_scale_grad", kwargs)
     return _scaled_grad.dynamic_scale_grad(fun, has_aux=has_aux, redo_on_nan=redo_on_nan, filter=filter, **options)
@@ -172,6 +188,12 @@ def dynamic_scale_value_and_grad(
 
     **Returns:** ``g(*args, dynamic_scaler_state=state)`` -> ``(new_state, (value, grads))``
     or ``(new_state, ((value, aux), grads))``; ``value`` is exactly what ``fun`` returned.
+
+    Example::
+
+        state = jaxamp.DynamicScalerState()
+        grad_fn = jaxamp.dynamic_scale_value_and_grad(jaxamp.amp(loss_fn))
+        state, (loss, grads) = grad_fn(params, batch, dynamic_scaler_state=state)
     """
     options = _grad_options("dynamic_scale_value_and_grad", kwargs)
     return _scaled_grad.dynamic_scale_value_and_grad(
