@@ -121,6 +121,9 @@ class Context:
         # whether matmuls read only in float32 may store float32 results (``_wide``): not
         # inside a user checkpoint whose policy may save matmul results
         self.widen = True
+        # whether the cotangent of a matmul operand narrowed from float32 (a parameter) is
+        # accumulated in float32 (``_wide``); off: in the compute dtype (less bandwidth)
+        self.float32_cotangents = True
         self.lookup = Lookup(policy)
         self._jaxpr_cache: dict[Any, Any] = {}
         self._keep_alive: list[Any] = []
@@ -538,10 +541,18 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
     # to have the equation bound as usual.
     binder = getattr(rule, "binder", None)
     outs = binder(ctx, eqn, invals, new_invals, params) if binder is not None else None
+    # Matmuls read only in float32 store a float32 result (``widen``); the cotangent of a
+    # free operand (a parameter) narrowed from float32 by a casting rule is accumulated in
+    # float32 (``_wide``).
+    f32_ct = (
+        _wide.narrowed(invals, new_invals, in_free)
+        if outs is None and binder is None and ctx.float32_cotangents and _rules.casts_only(rule)
+        else []
+    )
     if outs is not None:
         pass
-    elif widen and _wide.applies(prim, new_invals, params):
-        outs = _wide.bind(prim, new_invals, params)
+    elif (widen or f32_ct) and _wide.applies(prim, new_invals, params):
+        outs = _wide.bind(prim, new_invals, params, wide=widen, arrived=invals, float32_cotangent=f32_ct)
     else:
         outs = _bind_broadcast_in_float32(eqn, prim, invals, new_invals, params)
     floats = [f for f, d in zip(in_free, orig) if _dtypes.is_castable(d)]
