@@ -212,3 +212,24 @@ def test_no_float32_activation_residuals(dtype):
     big32 = [str(a) for a, _ in res if a.dtype == jnp.float32 and a.size > WIDTH * WIDTH]
     assert not big32, big32
     assert not [str(a) for a, _ in res if a.dtype == jnp.float32 and a.shape == (BATCH, WIDTH)]
+
+
+def test_convolution_weight_gradient_is_float32():
+    def f(w, x):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.mean(jax.nn.gelu(y).astype(jnp.float32) ** 2)
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (3, 3, 4, 8)) / 6
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 8, 8, 4))
+    _check(jax.grad(autocast.amp(f))(w, x), jax.grad(f)(w, x), tol=3e-3)
+    convs = [
+        (tuple(str(v.aval.dtype) for v in e.invars), str(e.outvars[0].aval.dtype), tuple(e.outvars[0].aval.shape))
+        for e, _ in walk(jax.make_jaxpr(jax.grad(autocast.amp(f)))(w, x))
+        if e.primitive.name == "conv_general_dilated"
+    ]
+    assert (("float16", "float16"), "float32", (3, 3, 4, 8)) in convs, convs
+    assert all(ops == ("float16", "float16") for ops, _, _ in convs), convs
+    # vmap of grad (per-example gradients): a batched convolution, values still right
+    per_example = jax.vmap(jax.grad(autocast.amp(f)), in_axes=(None, 0))(w, x[:, None])
+    per_example32 = jax.vmap(jax.grad(f), in_axes=(None, 0))(w, x[:, None])
+    _check(per_example, per_example32, tol=3e-3)
