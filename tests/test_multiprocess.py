@@ -7,7 +7,7 @@ steps, data parallel over the 4 devices, under ``jit`` with ``NamedSharding`` an
 second process holds. Checked: both processes end with identical results, both skip that
 step (and halve the scale), and the parameters equal the one-process run within float32
 noise: the weight gradients are all-reduced in float32, so only the order of float32 sums
-differs (before, float16 all-reduces made them differ by 3.8e-3 after 6 steps: issue 16).
+differs (issue 16 reported 3.8e-3 after 6 steps when they were all-reduced in float16).
 Every process runs under a subprocess timeout.
 """
 
