@@ -13,7 +13,10 @@ transforms their bodies with the same policy.
 Values are cast where a consumer needs it, never after a producer: a matmul result stays
 in half precision until an operation whose rule wants float32. A matmul whose result only
 float32 operations read (and no recomputed island) stores a float32 result instead, with a
-half-precision derivative (:mod:`autocast._wide`; the planner's ``wide`` set).
+half-precision derivative (:mod:`autocast._wide`; the planner's ``wide`` set). The
+gradient of a free operand narrowed from float32 (a parameter) leaves its matmul in float32
+(:mod:`autocast._wide` again; ``Context.float32_cotangents``), so data-parallel and FSDP
+gradient reductions run in float32.
 
 Sharp edges:
 
