@@ -52,8 +52,16 @@ class _Traced:
 class _AmpFunction:
     """The callable ``amp`` returns; see :func:`amp`."""
 
-    def __init__(self, fn: Callable, compute_dtype: np.dtype, policy: Mapping, remat: bool | str):
+    def __init__(
+        self,
+        fn: Callable,
+        compute_dtype: np.dtype,
+        policy: Mapping,
+        remat: bool | str,
+        weight_grad_dtype: str = "float32",
+    ):
         self.fn = fn
+        self.weight_grad_dtype = weight_grad_dtype
         self.compute_dtype = compute_dtype
         self.policy = policy
         self.remat = remat
@@ -107,7 +115,9 @@ class _AmpFunction:
             return [x for x, m in zip(out_leaves, mask) if m]
 
         closed = jax.make_jaxpr(flat_fn)(*dynamic)
-        transformed = _transform(closed, self.compute_dtype, self.policy, scopes, self.remat)
+        ctx = Context(self.compute_dtype, self.policy, self.remat)
+        ctx.float32_cotangents = self.weight_grad_dtype == "float32"
+        transformed = _transform(closed, self.compute_dtype, self.policy, scopes, self.remat, ctx)
         return _Traced(transformed, out_info["tree"], out_info["static"], out_info["mask"])
 
     def __repr__(self) -> str:
@@ -150,6 +160,7 @@ def amp(
     compute_dtype: Any = jnp.float16,
     amp_policy: Mapping | None = None,
     remat_float32: bool | Literal["auto"] = "auto",
+    weight_grad_dtype: Literal["float32", "compute"] = "float32",
 ) -> Any:
     """Run ``fn`` in mixed precision.
 
@@ -175,6 +186,12 @@ def amp(
       float32 intermediates. ``"auto"`` (default): only where its float32 intermediates
       are at least 1.75 times the bytes of its float inputs (islands fed by half-precision
       activations; not an LSTM cell that updates a float32 carry). ``True``: every island. ``False``: none.
+    - ``weight_grad_dtype``: the dtype in which the gradient of a matmul operand narrowed
+      from float32 (a parameter) leaves the matmul, and so the dtype of every reduction
+      after it (data-parallel all-reduce, FSDP reduce-scatter, ``psum``, a scan's
+      accumulation). ``"float32"`` (default): the half-precision matmul writes a float32
+      result. ``"compute"``: the compute dtype, halving the bytes of those reductions at
+      the cost of rounding each partial sum (FSDP2's ``reduce_dtype``).
 
     **Returns:** a function with ``fn``'s signature. Calls with the same argument
     structure, shapes and dtypes reuse the transformed jaxpr.
@@ -185,13 +202,21 @@ def amp(
         grads = jax.grad(autocast.amp(loss_fn))(params, batch)
     """
     check_remat_float32(remat_float32)
+    if weight_grad_dtype not in ("float32", "compute"):
+        raise ValueError(f"weight_grad_dtype={weight_grad_dtype!r} is not allowed; use 'float32' or 'compute'.")
     dtype = _dtypes.canonical_compute_dtype(compute_dtype)
     policy = default_amp_policy if amp_policy is None else amp_policy
     validate_policy(policy)
     if fn is None:
-        return functools.partial(amp, compute_dtype=dtype, amp_policy=policy, remat_float32=remat_float32)
+        return functools.partial(
+            amp,
+            compute_dtype=dtype,
+            amp_policy=policy,
+            remat_float32=remat_float32,
+            weight_grad_dtype=weight_grad_dtype,
+        )
     if not callable(fn):
         raise TypeError(
             f"amp(fn={fn!r}): fn must be callable (a function, an Equinox module, ...), got {type(fn).__name__}."
         )
-    return _AmpFunction(fn, dtype, policy, remat_float32)
+    return _AmpFunction(fn, dtype, policy, remat_float32, weight_grad_dtype)

@@ -13,7 +13,10 @@ transforms their bodies with the same policy.
 Values are cast where a consumer needs it, never after a producer: a matmul result stays
 in half precision until an operation whose rule wants float32. A matmul whose result only
 float32 operations read (and no recomputed island) stores a float32 result instead, with a
-half-precision derivative (:mod:`autocast._wide`; the planner's ``wide`` set).
+half-precision derivative (:mod:`autocast._wide`; the planner's ``wide`` set). The
+gradient of a free operand narrowed from float32 (a parameter) leaves its matmul in float32
+(:mod:`autocast._wide` again; ``Context.float32_cotangents``), so data-parallel and FSDP
+gradient reductions run in float32.
 
 Sharp edges:
 
@@ -121,6 +124,9 @@ class Context:
         # whether matmuls read only in float32 may store float32 results (``_wide``): not
         # inside a user checkpoint whose policy may save matmul results
         self.widen = True
+        # whether the cotangent of a matmul operand narrowed from float32 (a parameter) is
+        # accumulated in float32 (``_wide``); off: in the compute dtype (less bandwidth)
+        self.float32_cotangents = True
         self.lookup = Lookup(policy)
         self._jaxpr_cache: dict[Any, Any] = {}
         self._keep_alive: list[Any] = []
@@ -538,10 +544,18 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
     # to have the equation bound as usual.
     binder = getattr(rule, "binder", None)
     outs = binder(ctx, eqn, invals, new_invals, params) if binder is not None else None
+    # Matmuls read only in float32 store a float32 result (``widen``); the cotangent of a
+    # free operand (a parameter) narrowed from float32 by a casting rule is accumulated in
+    # float32 (``_wide``).
+    f32_ct = (
+        _wide.narrowed(invals, new_invals, in_free)
+        if outs is None and binder is None and ctx.float32_cotangents and _rules.casts_only(rule)
+        else []
+    )
     if outs is not None:
         pass
-    elif widen and _wide.applies(prim, new_invals, params):
-        outs = _wide.bind(prim, new_invals, params)
+    elif (widen or f32_ct) and _wide.applies(prim, new_invals, params):
+        outs = _wide.bind(prim, new_invals, params, wide=widen, arrived=invals, float32_cotangent=f32_ct)
     else:
         outs = _bind_broadcast_in_float32(eqn, prim, invals, new_invals, params)
     floats = [f for f, d in zip(in_free, orig) if _dtypes.is_castable(d)]

@@ -83,6 +83,13 @@ def is_compute_rule(rule: Any) -> bool:
     return rule is use_compute_precision or getattr(rule, "compute_like", False) is True
 
 
+def casts_only(rule: Any) -> bool:
+    """Whether ``rule`` changes its operands only by casting them (so a narrowed operand is
+    ``operand.astype(dtype)``): :func:`use_compute_precision`, :func:`use_precision` rules,
+    and rules with the attribute ``casts_only = True``."""
+    return rule is use_compute_precision or getattr(rule, "casts_only", False) is True
+
+
 # A rule may also carry ``binder(ctx, eqn, arrived, cast, params) -> outputs | None``: the
 # interpreter then calls it instead of binding the primitive on the cast operands
 # (``arrived``: the operands before the rule; ``cast``: what the rule returned). It returns
@@ -194,6 +201,7 @@ def use_precision(dtype: Any) -> Rule:
         return _cast_all(invars, idx, target), _with_preferred(params, target)
 
     rule.__name__ = rule.__qualname__ = f"use_precision({target.name})"
+    rule.casts_only = True
     return rule
 
 

@@ -18,3 +18,4 @@ $PY -m benchmarks.explain_vit --batch 8
 $PY -m benchmarks.bench_vit --shape desktop --sizes 16 --repeats 15 --warmup 2 \
     --systems fp32 fp32-remat autocast-f16 autocast-f16-noremat mpx-f16 autocast-bf16 mpx-bf16 \
     --out vit_desktop_headtohead
+$PY -m benchmarks.bench_distributed
