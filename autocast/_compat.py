@@ -478,7 +478,9 @@ def _tp_transpose(ct, a, t, *, inner, inner_params, index, half, out_dtype):
         if type(ct) is _ad.Zero:
             return [None, _ad.Zero(t.aval)]
         ct = ct.astype(half) if ct.dtype != half else ct
-        # the cotangent of ``t`` accumulated into ``t``'s own dtype (float32)
+        # the cotangent of ``t`` accumulated into ``t``'s own dtype (float32), from the
+        # half-precision operands as the backend can run them (see half_matmul_operands)
+        ct, a = half_matmul_operands([ct, a], t.aval.dtype)
         cts = rule(ct, *_ordered(a, t, index), **dict(inner_params.as_dict(), preferred_element_type=t.aval.dtype))
         return [None, cts[index]]
     # the cotangent of ``a``: the ordinary half-precision transpose
