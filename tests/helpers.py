@@ -35,6 +35,20 @@ def _jaxprs_in_params(params: dict) -> Iterator[Any]:
                 yield v
 
 
+def widened_from_half(jaxpr: Any) -> dict[Any, str]:
+    """Vars that a ``convert_element_type`` widened from float16/bfloat16 to float32, with
+    the half dtype. Where the backend lacks a half x half -> float32 matmul kernel for every
+    layout (XLA:CPU and bfloat16), ``amp`` widens such a matmul's operands exactly
+    (``_compat.half_matmul_operands``): the matmul still reads half-precision values."""
+    return {
+        e.outvars[0]: str(e.invars[0].aval.dtype)
+        for e, _ in walk(jaxpr)
+        if e.primitive.name == "convert_element_type"
+        and str(e.invars[0].aval.dtype) in ("float16", "bfloat16")
+        and str(e.outvars[0].aval.dtype) == "float32"
+    }
+
+
 def operand_dtypes(eqn: Any) -> tuple[str, ...]:
     return tuple(str(v.aval.dtype) for v in eqn.invars)
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import walk
+from helpers import walk, widened_from_half
 
 import autocast
 
@@ -31,13 +31,7 @@ def _matmuls(fn, *args):
     half: where the backend has no half x half -> float32 kernel for every layout (XLA:CPU
     and bfloat16), the operands are widened exactly (``_compat.half_matmul_operands``)."""
     closed = jax.make_jaxpr(fn)(*args)
-    widened = {
-        e.outvars[0]: np.dtype(e.invars[0].aval.dtype)
-        for e, _ in walk(closed)
-        if e.primitive.name == "convert_element_type"
-        and np.dtype(e.invars[0].aval.dtype) in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-        and np.dtype(e.outvars[0].aval.dtype) == F32
-    }
+    widened = {v: np.dtype(d) for v, d in widened_from_half(closed).items()}
     return [
         (tuple(widened.get(v, np.dtype(v.aval.dtype)) for v in e.invars), np.dtype(e.outvars[0].aval.dtype))
         for e, _ in walk(closed)
