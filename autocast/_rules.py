@@ -162,3 +162,8 @@ CATEGORIES: dict[str, Rule] = {
     "convert": convert_element_type_rule,
 }
 """The rule each category name of a policy file stands for."""
+
+# float8 matmuls (``policies/fp8.toml``): rules with ``compute_like`` and a ``binder``.
+from ._fp8 import CATEGORIES as _FP8_CATEGORIES  # noqa: E402  (it reads this module)
+
+CATEGORIES.update(_FP8_CATEGORIES)
