@@ -19,7 +19,8 @@ like :func:`autocast.use_compute_precision` (a matmul in the compute dtype) and 
 A non-finite operand or cotangent makes its scale non-finite, and the product (then the
 gradient) non-finite: overflow is never hidden from a loss scaler or ``find_overflow``.
 
-Eligible: a ``dot_general`` of two float operands whose every dimension is at least
+Eligible: a ``dot_general`` of two float operands whose GEMM dimensions (M, N and K:
+the rows, the columns and the contracted size, batch dimensions aside) are all at least
 ``min_dim`` (small ones, e.g. a 10-class head or a 4-pixel patch embedding, stay in the
 compute dtype). With ``activations=False`` (category ``fp8``) at least one operand must be
 a free value (a parameter, an input or a constant, as the interpreter tracks them): a
@@ -46,7 +47,7 @@ E5M2 = np.dtype(jnp.float8_e5m2)
 FP8_DTYPES = frozenset({E4M3, E5M2})
 
 MIN_DIM = 16
-"""Default: a ``dot_general`` runs in float8 only if every operand dimension is at least this."""
+"""Default: a ``dot_general`` runs in float8 only if its M, N and K are all at least this."""
 
 # The free mask the rule saw (set by the interpreter around the rule call); the binder,
 # called right after the rule for the same equation, reads it.
@@ -162,13 +163,23 @@ def fp8_dot_general(x: Any, w: Any, dimension_numbers: Any, out_dtype: Any = jnp
     return _make(dn, np.dtype(out_dtype), _dtypes.dtype_of(x), _dtypes.dtype_of(w))(x, w)
 
 
+def gemm_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers: Any) -> tuple[int, int, int]:
+    """``(M, N, K)`` of the GEMM a ``dot_general`` is: the products of the lhs's and the
+    rhs's kept (neither contracted nor batch) dimensions, and of the contracted ones."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    m = int(np.prod([d for i, d in enumerate(lhs_shape) if i not in lc and i not in lb], dtype=np.int64))
+    n = int(np.prod([d for i, d in enumerate(rhs_shape) if i not in rc and i not in rb], dtype=np.int64))
+    k = int(np.prod([lhs_shape[i] for i in lc], dtype=np.int64))
+    return m, n, k
+
+
 def eligible(eqn: Any, arrived: Sequence[Any], free: Sequence[bool] | None, min_dim: int, activations: bool) -> bool:
     """Whether the rule binds ``eqn`` in float8 (see the module docstring)."""
     if eqn.primitive.name != "dot_general" or len(arrived) != 2:
         return False
     if any(_dtypes.dtype_of(x) not in _dtypes.CASTABLE for x in arrived):
         return False
-    if any(d < min_dim for x in arrived for d in np.shape(x)):
+    if min(gemm_sizes(np.shape(arrived[0]), np.shape(arrived[1]), eqn.params["dimension_numbers"])) < min_dim:
         return False
     if eqn.params.get("out_sharding") is not None:
         return False
@@ -223,7 +234,8 @@ def use_float8(min_dim: int = MIN_DIM, activations: bool = False) -> Any:
 
     **Arguments:**
 
-    - `min_dim`: a matmul runs in float8 only if every operand dimension is at least this.
+    - `min_dim`: a matmul runs in float8 only if its GEMM dimensions M, N, K (rows,
+      columns, contracted size; batch dimensions aside) are all at least this.
     - `activations`: also products of two computed values (attention's scores and values);
       by default one operand must be a parameter, an input or a constant.
 
