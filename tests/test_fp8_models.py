@@ -44,10 +44,10 @@ ATTENTION_PRODUCTS = {
     flax_models.nnx_mlp_pytree: 0,
 }
 
-# Measured (JAX 0.12, CPU) step-0 relative L2 gradient error against float32: fp8 0.03 to
-# 0.08 over these models, bfloat16 < 0.012; tolerances leave a 2-3x margin.
-GRAD_TOL = 0.2
-FINAL_TOL = 0.1  # relative error of the last loss, against float32
+# Measured (JAX 0.12, CPU) step-0 relative L2 gradient error against float32: fp8 0.073 to
+# 0.144 over these models (bfloat16 0.0045 to 0.014); last-loss error 0.0013 to 0.0072.
+GRAD_TOL = 0.3
+FINAL_TOL = 0.05  # relative error of the last loss, against float32
 
 
 def _fp8_run(factory):
