@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _dtypes, _rules
+from . import _dtypes
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -48,6 +48,10 @@ FP8_DTYPES = frozenset({E4M3, E5M2})
 
 MIN_DIM = 16
 """Default: a ``dot_general`` runs in float8 only if its M, N and K are all at least this."""
+
+# Set by ``autocast._rules`` (which imports this module, not the other way round): the
+# ``compute`` rule this rule casts like, and the variable holding the free mask.
+_HOOKS: dict[str, Any] = {}
 
 # The free mask the rule saw (set by the interpreter around the rule call); the binder,
 # called right after the rule for the same equation, reads it.
@@ -199,8 +203,8 @@ class _Float8Rule:
         self.__name__ = self.__qualname__ = f"use_float8(min_dim={min_dim}, activations={self.activations})"
 
     def __call__(self, compute_dtype, original_dtypes, *invars, **params):
-        _seen_free.set(_rules._free_mask.get())
-        return _rules.use_compute_precision(compute_dtype, original_dtypes, *invars, **params)
+        _seen_free.set(_HOOKS["free_mask"].get())
+        return _HOOKS["compute"](compute_dtype, original_dtypes, *invars, **params)
 
     def binder(self, ctx, eqn, arrived, cast, params):
         free = _seen_free.get()
@@ -251,3 +255,10 @@ def use_float8(min_dim: int = MIN_DIM, activations: bool = False) -> Any:
 
 CATEGORIES = {"fp8": use_float8(), "fp8_any": use_float8(activations=True)}
 """The policy-table categories (registered in :data:`autocast._rules.CATEGORIES`)."""
+
+
+def install(compute_rule: Any, free_mask: contextvars.ContextVar) -> dict[str, Any]:
+    """Called once by :mod:`autocast._rules`: the rule to cast like and the free-mask
+    variable; returns the categories to register."""
+    _HOOKS.update(compute=compute_rule, free_mask=free_mask)
+    return CATEGORIES

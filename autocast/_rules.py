@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes
+from . import _dtypes, _fp8
 
 Rule = Callable[..., tuple[Sequence[Any], dict[str, Any]]]
 
@@ -164,6 +164,4 @@ CATEGORIES: dict[str, Rule] = {
 """The rule each category name of a policy file stands for."""
 
 # float8 matmuls (``policies/fp8.toml``): rules with ``compute_like`` and a ``binder``.
-from ._fp8 import CATEGORIES as _FP8_CATEGORIES  # noqa: E402  (it reads this module)
-
-CATEGORIES.update(_FP8_CATEGORIES)
+CATEGORIES.update(_fp8.install(use_compute_precision, _free_mask))
