@@ -227,7 +227,7 @@ def test_non_finite_cotangent_gives_non_finite_gradient():
     _, vjp = jax.vjp(lambda a, b: _fp8.fp8_dot_general(a, b, dn), jnp.ones((16, 16)), jnp.ones((16, 16)))
     ct = jnp.ones((16, 16), jnp.bfloat16).at[0, 0].set(jnp.inf)
     dx, dw = vjp(ct)
-    assert not np.isfinite(np.asarray(dx, np.float32)).any() or not np.isfinite(np.asarray(dx, np.float32)).all()
+    assert not np.isfinite(np.asarray(dx, np.float32)).all()
     assert not np.isfinite(np.asarray(dw)).all()
 
 
