@@ -10,6 +10,7 @@ from . import _higher_order  # noqa: F401  (registers the higher-order handlers)
 from ._amp import amp as amp
 from ._explain import Explanation as Explanation
 from ._explain import explain as explain
+from ._fp8 import use_float8 as use_float8
 from ._loss_scale import DynamicScalerState as DynamicScalerState
 from ._loss_scale import NoOpScalerState as NoOpScalerState
 from ._loss_scale import StaticScalerState as StaticScalerState
@@ -60,6 +61,7 @@ __all__ = [
     "unregister_rule",
     "use_as_is",
     "use_compute_precision",
+    "use_float8",
     "use_float32_precision",
     "use_input_precision",
     "use_original_precision",

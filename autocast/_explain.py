@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _dtypes, _plan, _rules, _walk
+from . import _compat, _dtypes, _fp8, _plan, _rules, _walk
 from ._amp import _combine, _is_array, _partition, _transform, check_remat_float32
 from ._interpreter import Context, _rule_name
 from ._policy import default_amp_policy, validate_policy
@@ -37,6 +37,21 @@ class Float32Matmul:
 
 
 @dataclasses.dataclass(frozen=True)
+class Float8Matmul:
+    """A ``dot_general`` that runs as a scaled float8 product (policy ``"fp8"``)."""
+
+    shape: tuple[tuple[int, ...], ...]
+    """The operand shapes."""
+    count: int
+    """How many times it runs (loop trip counts multiplied in)."""
+    bytes_saved: int
+    """Bytes of its operands saved for the backward pass in float8 instead of the compute dtype."""
+    scopes: tuple[str, ...]
+    path: tuple[str, ...]
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
 class _Record:
     primitive: str
     rule: str
@@ -51,6 +66,7 @@ class _Record:
     source: str
     shapes: tuple[tuple[int, ...], ...]
     eqn_id: int = 0
+    float8: bool = False
 
 
 class _Observer:
@@ -62,6 +78,8 @@ class _Observer:
         self.stack: list[Any] = []
         self.starts: list[int] = []
         self.records: list[_Record] = []
+        # ids of the equations a float8 rule bound in float8 (``_fp8._Float8Rule.binder``)
+        self.float8_eqns: set[int] = set()
 
     def enter(self, eqn: Any) -> None:
         self.stack.append(eqn)
@@ -99,6 +117,10 @@ class _Observer:
     def _add(self, eqn, rule_name, why, scopes, path, mult, arrived, bound, outs, island) -> None:
         if island is not None:
             why += "; island, recomputed" if island[1] else "; island"
+        float8 = id(eqn) in self.float8_eqns
+        if float8:
+            why += "; float8"
+            bound = [jax.ShapeDtypeStruct(np.shape(x), _fp8.E4M3) for x in bound]
         self.records.append(
             _Record(
                 primitive=eqn.primitive.name,
@@ -114,6 +136,7 @@ class _Observer:
                 source=_walk.source(eqn.source_info),
                 shapes=tuple(tuple(getattr(x, "shape", np.shape(x))) for x in bound),
                 eqn_id=id(eqn),
+                float8=float8,
             )
         )
 
@@ -224,9 +247,23 @@ class Explanation:
         self.float32_matmuls: list[Float32Matmul] = [
             Float32Matmul(r.primitive, r.shapes, _runs(r.after), r.why, r.scopes, r.path, r.source)
             for r in records
-            if r.primitive in _walk.MATMULS and r.after and r.after[0] != _walk.dtype_name(half)
+            if r.primitive in _walk.MATMULS and r.after and r.after[0] != _walk.dtype_name(half) and not r.float8
         ]
-        """Every matmul / convolution (any depth) whose operands are not in the compute dtype."""
+        """Every matmul / convolution (any depth) whose operands are not in the compute dtype
+        (float8 matmuls excepted: see ``float8_matmuls``)."""
+        self.float8_matmuls: list[Float8Matmul] = [
+            Float8Matmul(
+                r.shapes,
+                r.mult,
+                r.mult * sum(int(np.prod(s, dtype=np.int64)) for s in r.shapes) * (half.itemsize - 1),
+                r.scopes,
+                r.path,
+                r.source,
+            )
+            for r in records
+            if r.float8
+        ]
+        """Every matmul that runs as a scaled float8 product, with the residual bytes it saves."""
 
     # --- output ------------------------------------------------------------------------
 
@@ -236,6 +273,15 @@ class Explanation:
             "compute_dtype": self.compute_dtype,
             "rows": [dict(r) for r in self.rows],
             "totals": self.totals,
+            "float8_matmuls": [
+                {
+                    **dataclasses.asdict(m),
+                    "shape": [list(s) for s in m.shape],
+                    "scopes": list(m.scopes),
+                    "path": list(m.path),
+                }
+                for m in self.float8_matmuls
+            ],
             "float32_matmuls": [
                 {
                     **dataclasses.asdict(m),
@@ -276,6 +322,15 @@ class Explanation:
                 lines.append(f"  {m.primitive} {' x '.join(map(str, m.shape))} {m.dtype} at {m.source} ({m.reason})")
         else:
             lines.append(f"matmuls not in {self.compute_dtype}: none")
+        if self.float8_matmuls:
+            saved = sum(m.bytes_saved for m in self.float8_matmuls)
+            lines.append(
+                f"matmuls in float8: {sum(m.count for m in self.float8_matmuls)} "
+                f"(residuals {_fmt_bytes(saved)} smaller than in {self.compute_dtype})"
+            )
+            for m in self.float8_matmuls:
+                times = f" x{m.count}" if m.count > 1 else ""
+                lines.append(f"  dot_general {' x '.join(map(str, m.shape))}{times} at {m.source}")
         return "\n".join(lines)
 
     def to_markdown(self) -> str:

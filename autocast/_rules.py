@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes
+from . import _dtypes, _fp8
 
 Rule = Callable[..., tuple[Sequence[Any], dict[str, Any]]]
 
@@ -227,3 +227,6 @@ CATEGORIES: dict[str, Rule] = {
     "convert": convert_element_type_rule,
 }
 """The rule each category name of a policy file stands for."""
+
+# float8 matmuls (``policies/fp8.toml``): rules with ``compute_like`` and a ``binder``.
+CATEGORIES.update(_fp8.install(use_compute_precision, _free_mask))

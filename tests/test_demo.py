@@ -14,7 +14,7 @@ from benchmarks import _common as C
 from benchmarks import demo
 from benchmarks.vit import ViTConfig
 
-RUNS = ("fp32", "amp-bf16")
+RUNS = ("fp32", "amp-bf16", "amp-fp8")
 
 
 def _synthetic_digits(seed: int = 0):
@@ -52,7 +52,7 @@ def smoke(tmp_path_factory):
 
     mp.setattr(demo, "_make_step", counting_make_step)
     try:
-        # fp32 and bf16 only: compiling the f16 step (loss scaler) would double the time
+        # fp32, bf16 and fp8 only: compiling the f16 step (loss scaler) would add to the time
         results = demo.main(["--steps", "6", "--batch", "16", "--seeds", "0", "1", "--runs", *RUNS])
     finally:
         mp.undo()
@@ -64,7 +64,7 @@ def test_one_result_per_run_and_seed(smoke):
     results, data, md, _ = smoke
     pairs = {(r["run"], r["seed"]) for r in data["results"]}
     assert pairs == {(run, s) for run in RUNS for s in (0, 1)}
-    assert len(data["results"]) == len(results) == 4
+    assert len(data["results"]) == len(results) == 2 * len(RUNS)
     assert data["args"]["seeds"] == [0, 1]
     for run in RUNS:
         for s in (0, 1):
@@ -97,13 +97,26 @@ def test_summary_is_paired_per_seed_and_verdict_follows_it(smoke):
         assert s["diff_vs_fp32_points_mean"] == pytest.approx(sum(diffs) / 2)
         assert len(s["skipped_steps_per_seed"]) == len(s["final_scale_per_seed"]) == 2
     within = data["verdict"]["within_one_point"]
-    assert set(within) == {"amp-bf16"}
+    assert set(within) == {"amp-bf16"}  # fp8 is judged against bf16, below
     for run, ok in within.items():
         assert ok == (abs(summary[run]["diff_vs_fp32_points_mean"]) <= 1.0 + 1e-9)
     assert data["verdict"]["text"].startswith("Verdict (2 seeds)")
+    # the fp8 run is also paired with bf16, seed by seed
+    d = [100 * (acc["amp-fp8", k] - acc["amp-bf16", k]) for k in (0, 1)]
+    assert summary["amp-fp8"]["diff_vs_bf16_points_per_seed"] == pytest.approx(d)
+    assert data["verdict"]["fp8_within_one_point_of_bf16"] == (abs(sum(d) / 2) <= 1.0 + 1e-9)
+    assert "amp-fp8 vs amp-bf16" in data["verdict"]["text"]
 
 
-@pytest.mark.parametrize("argv, seeds", [([], [0, 1, 2]), (["--seed", "3"], [3]), (["--seeds", "4", "0"], [4, 0])])
+def test_fp8_run_uses_the_fp8_policy(smoke):
+    _, data, md, _ = smoke
+    fp8 = [r for r in data["results"] if r["run"] == "amp-fp8"]
+    assert fp8 and all(r["policy"] == "fp8" and r["compute_dtype"] == "bfloat16" for r in fp8)
+    assert demo.POLICIES == {"amp-fp8": "fp8"} and set(demo.RUNS) == {"fp32", "amp-f16", "amp-bf16", "amp-fp8"}
+    assert "| amp-fp8 |" in md
+
+
+@pytest.mark.parametrize("argv, seeds", [([], [0]), (["--seed", "3"], [3]), (["--seeds", "4", "0"], [4, 0])])
 def test_seed_options(argv, seeds):
     assert demo._parse(argv).seeds == seeds
 

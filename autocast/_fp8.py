@@ -1,0 +1,264 @@
+"""float8 matmuls: a policy rule that runs eligible ``dot_general`` s as scaled float8 products.
+
+The rule (categories ``fp8`` and ``fp8_any`` of a policy table; ``policies/fp8.toml``) plans
+like :func:`autocast.use_compute_precision` (a matmul in the compute dtype) and carries a
+``binder`` (see :mod:`autocast._rules`) that binds an eligible ``dot_general`` as
+:func:`fp8_dot_general`:
+
+- forward: each operand quantized to ``float8_e4m3fn`` with its own per-tensor *current*
+  scale (``amax / fp8 max``, amax in float32; 1 where amax is 0; values clipped before the
+  cast), the fp8 operands passed to ``lax.dot_general`` with a float32
+  ``preferred_element_type``, the product multiplied by ``sx * sw`` and stored in the
+  compute dtype (the form XLA-GPU rewrites into a cuBLASLt fp8 GEMM);
+- backward (``custom_vjp``): the cotangent quantized to ``float8_e5m2`` with its own
+  scale; both transposed products in fp8 (e5m2 x e4m3) with float32 accumulation; each
+  operand's gradient in the dtype the operand arrived in (a float32 parameter gets a
+  float32 gradient, no half-precision rounding). The residuals are the two fp8 operands
+  and their scales.
+
+A non-finite operand or cotangent makes its scale non-finite, and the product (then the
+gradient) non-finite: overflow is never hidden from a loss scaler or ``find_overflow``.
+
+Eligible: a ``dot_general`` of two float operands whose GEMM dimensions (M, N and K:
+the rows, the columns and the contracted size, batch dimensions aside) are all at least
+``min_dim`` (small ones, e.g. a 10-class head or a 4-pixel patch embedding, stay in the
+compute dtype). With ``activations=False`` (category ``fp8``) at least one operand must be
+a free value (a parameter, an input or a constant, as the interpreter tracks them): a
+product of two computed activations (attention's scores and values) stays in the compute
+dtype unless a named scope maps it to ``fp8_any``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _dtypes
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+FP8_DTYPES = frozenset({E4M3, E5M2})
+
+MIN_DIM = 16
+"""Default: a ``dot_general`` runs in float8 only if its M, N and K are all at least this."""
+
+# Set by ``autocast._rules`` (which imports this module, not the other way round): the
+# ``compute`` rule this rule casts like, and the variable holding the free mask.
+_HOOKS: dict[str, Any] = {}
+
+# The free mask the rule saw (set by the interpreter around the rule call); the binder,
+# called right after the rule for the same equation, reads it.
+_seen_free: contextvars.ContextVar[Sequence[bool] | None] = contextvars.ContextVar("fp8_seen_free", default=None)
+
+
+def quantize(x: Any, dtype: Any = E4M3) -> tuple[jax.Array, jax.Array]:
+    """Per-tensor current scaling: ``(q, scale)`` with ``q = clip(x / scale)`` in ``dtype``.
+
+    ``scale = amax(|x|) / max(dtype)`` computed in float32, 1 where amax is 0. An inf or
+    NaN in ``x`` gives a non-finite scale (inf or NaN), so whatever is computed from ``q``
+    and ``scale`` is non-finite too.
+    """
+    dtype = np.dtype(dtype)
+    fmax = float(jnp.finfo(dtype).max)
+    x32 = lax.convert_element_type(x, np.float32)
+    amax = jnp.max(jnp.abs(x32))
+    scale = jnp.where(amax == 0, jnp.float32(1.0), amax / fmax)
+    q = jnp.clip(x32 / scale, -fmax, fmax).astype(dtype)
+    return q, scale
+
+
+def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
+    drop = set(itertools.chain(*removed))
+    return [i for i in range(n) if i not in drop]
+
+
+def _ranges_like(*xs: Sequence[int]) -> list[list[int]]:
+    out, start = [], 0
+    for x in xs:
+        out.append(list(range(start, start + len(x))))
+        start += len(x)
+    return out
+
+
+def _transpose_lhs(g, x_ndim: int, y, dimension_numbers, swap_ans: bool = False):
+    """The cotangent of the lhs of ``dot_general(x, y)`` (as JAX's transpose rule), float32."""
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = _remaining(x_ndim, x_contract, x_batch)
+    y_kept = _remaining(np.ndim(y), y_contract, y_batch)
+    if swap_ans:
+        ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
+    else:
+        ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
+    dims = ((ans_y, y_kept), (ans_batch, list(y_batch)))
+    x_contract_sorted_by_y = [x_contract[i] for i in np.argsort(y_contract)]
+    out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
+    prod = lax.dot_general(g, y, dims, preferred_element_type=np.float32)
+    return lax.transpose(prod, tuple(int(a) for a in out_axes))
+
+
+def _transpose_rhs(g, x, y_ndim: int, dimension_numbers):
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    swapped = ((y_contract, x_contract), (y_batch, x_batch))
+    return _transpose_lhs(g, y_ndim, x, swapped, swap_ans=True)
+
+
+def _dn(dimension_numbers) -> tuple:
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
+
+
+def _forward(x, w, dimension_numbers, out_dtype):
+    qx, sx = quantize(x, E4M3)
+    qw, sw = quantize(w, E4M3)
+    y = lax.dot_general(qx, qw, dimension_numbers, preferred_element_type=np.float32)
+    return (y * (sx * sw)).astype(out_dtype), (qx, sx, qw, sw)
+
+
+def _make(dimension_numbers, out_dtype, x_dtype, w_dtype):
+    @jax.custom_vjp
+    def fp8_dot(x, w):
+        return _forward(x, w, dimension_numbers, out_dtype)[0]
+
+    def fwd(x, w):
+        return _forward(x, w, dimension_numbers, out_dtype)
+
+    def bwd(res, g):
+        qx, sx, qw, sw = res
+        qg, sg = quantize(g, E5M2)
+        dx = _transpose_lhs(qg, qx.ndim, qw, dimension_numbers) * (sg * sw)
+        dw = _transpose_rhs(qg, qx, qw.ndim, dimension_numbers) * (sg * sx)
+        return dx.astype(x_dtype), dw.astype(w_dtype)
+
+    fp8_dot.defvjp(fwd, bwd)
+    return fp8_dot
+
+
+def fp8_dot_general(x: Any, w: Any, dimension_numbers: Any, out_dtype: Any = jnp.bfloat16) -> jax.Array:
+    """``lax.dot_general(x, w, dimension_numbers)`` as a scaled float8 product.
+
+    Forward in ``float8_e4m3fn`` x ``float8_e4m3fn`` with float32 accumulation, the result
+    in ``out_dtype``; backward with the cotangent in ``float8_e5m2``; gradients in the
+    dtypes of ``x`` and ``w``. Reverse mode only (``jax.jvp`` raises: a ``custom_vjp``).
+
+    **Arguments:**
+
+    - `x`, `w`: float arrays (float16, bfloat16 or float32).
+    - `dimension_numbers`: as for ``lax.dot_general``.
+    - `out_dtype`: the dtype the result is stored in.
+
+    **Returns:** the product, in ``out_dtype``.
+
+    Example::
+
+        y = fp8_dot_general(x, w, (((1,), (0,)), ((), ())), jnp.bfloat16)
+    """
+    for name, v in (("x", x), ("w", w)):
+        d = _dtypes.dtype_of(v)
+        if d not in _dtypes.CASTABLE:
+            raise TypeError(f"fp8_dot_general: {name} has dtype {d}; allowed: float16, bfloat16, float32.")
+    dn = _dn(dimension_numbers)
+    return _make(dn, np.dtype(out_dtype), _dtypes.dtype_of(x), _dtypes.dtype_of(w))(x, w)
+
+
+def gemm_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers: Any) -> tuple[int, int, int]:
+    """``(M, N, K)`` of the GEMM a ``dot_general`` is: the products of the lhs's and the
+    rhs's kept (neither contracted nor batch) dimensions, and of the contracted ones."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    m = int(np.prod([d for i, d in enumerate(lhs_shape) if i not in lc and i not in lb], dtype=np.int64))
+    n = int(np.prod([d for i, d in enumerate(rhs_shape) if i not in rc and i not in rb], dtype=np.int64))
+    k = int(np.prod([lhs_shape[i] for i in lc], dtype=np.int64))
+    return m, n, k
+
+
+def eligible(eqn: Any, arrived: Sequence[Any], free: Sequence[bool] | None, min_dim: int, activations: bool) -> bool:
+    """Whether the rule binds ``eqn`` in float8 (see the module docstring)."""
+    if eqn.primitive.name != "dot_general" or len(arrived) != 2:
+        return False
+    if any(_dtypes.dtype_of(x) not in _dtypes.CASTABLE for x in arrived):
+        return False
+    if min(gemm_sizes(np.shape(arrived[0]), np.shape(arrived[1]), eqn.params["dimension_numbers"])) < min_dim:
+        return False
+    if eqn.params.get("out_sharding") is not None:
+        return False
+    return activations or free is None or any(bool(f) for f in free)
+
+
+class _Float8Rule:
+    """A policy rule: cast like ``use_compute_precision``; bind eligible matmuls in float8."""
+
+    compute_like = True
+
+    def __init__(self, min_dim: int = MIN_DIM, activations: bool = False):
+        if not isinstance(min_dim, int) or isinstance(min_dim, bool) or min_dim < 1:
+            raise ValueError(f"use_float8: min_dim={min_dim!r}; must be a positive integer.")
+        self.min_dim = min_dim
+        self.activations = bool(activations)
+        self.__name__ = self.__qualname__ = f"use_float8(min_dim={min_dim}, activations={self.activations})"
+
+    def __call__(self, compute_dtype, original_dtypes, *invars, **params):
+        _seen_free.set(_HOOKS["free_mask"].get())
+        return _HOOKS["compute"](compute_dtype, original_dtypes, *invars, **params)
+
+    def binder(self, ctx, eqn, arrived, cast, params):
+        free = _seen_free.get()
+        if not eligible(eqn, arrived, free, self.min_dim, self.activations):
+            return None
+        pref = params.get("preferred_element_type")
+        out_dtype = np.dtype(pref) if pref is not None else _dtypes.dtype_of(cast[0])
+        if out_dtype not in _dtypes.CASTABLE:
+            return None
+        observer = getattr(ctx, "observer", None)
+        if observer is not None and hasattr(observer, "float8_eqns"):  # autocast.explain
+            observer.float8_eqns.add(id(eqn))
+        return [fp8_dot_general(arrived[0], arrived[1], params["dimension_numbers"], out_dtype)]
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Float8Rule) and (self.min_dim, self.activations) == (other.min_dim, other.activations)
+
+    def __hash__(self) -> int:
+        return hash((_Float8Rule, self.min_dim, self.activations))
+
+
+def use_float8(min_dim: int = MIN_DIM, activations: bool = False) -> Any:
+    """A policy rule that runs eligible ``dot_general`` s as scaled float8 products.
+
+    Forward in ``float8_e4m3fn`` with per-tensor current scaling and float32 accumulation,
+    backward with the cotangent in ``float8_e5m2``; a float32 parameter gets a float32
+    gradient. Other equations it is given run as with :func:`use_compute_precision`.
+
+    **Arguments:**
+
+    - `min_dim`: a matmul runs in float8 only if its GEMM dimensions M, N, K (rows,
+      columns, contracted size; batch dimensions aside) are all at least this.
+    - `activations`: also products of two computed values (attention's scores and values);
+      by default one operand must be a parameter, an input or a constant.
+
+    **Returns:** the rule (for :func:`extend_policy` or a policy dict).
+
+    Example::
+
+        policy = autocast.extend_policy({"attention": autocast.use_float8(activations=True)},
+                                        base=autocast.load_policy("fp8"))
+    """
+    return _Float8Rule(min_dim, activations)
+
+
+CATEGORIES = {"fp8": use_float8(), "fp8_any": use_float8(activations=True)}
+"""The policy-table categories (registered in :data:`autocast._rules.CATEGORIES`)."""
+
+
+def install(compute_rule: Any, free_mask: contextvars.ContextVar) -> dict[str, Any]:
+    """Called once by :mod:`autocast._rules`: the rule to cast like and the free-mask
+    variable; returns the categories to register."""
+    _HOOKS.update(compute=compute_rule, free_mask=free_mask)
+    return CATEGORIES

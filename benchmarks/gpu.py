@@ -1,0 +1,505 @@
+"""One-command accelerator benchmark: training steps of ViTs and a GPT-2-small-sized transformer.
+
+For every model, the train step (forward, backward, optax AdamW update, loss scaling where
+the system uses it) of every system is compiled and measured:
+
+- systems: ``fp32``; ``autocast-bf16``, ``autocast-f16`` (dynamic loss scaler) and
+  ``autocast-fp8`` (``policies/fp8.toml``: weight matmuls as scaled float8 products, the
+  rest as bf16); ``mpx-bf16``, the MPX recipe (the ``mpx`` package: cast the model and
+  batch to half, loss head in float32), skipped with a note when ``mpx`` is not importable;
+- models: ViT-Base (224x224, patch 16, 768/3072, 12 blocks) and the MPX paper's "desktop"
+  ViT (``benchmarks/vit.py``), and a GPT-2-small-sized causal transformer (12 blocks,
+  width 768, 12 heads, 1024 tokens, vocabulary 50257, tied embeddings);
+- numbers: median step time (calls interleaved across systems), peak device memory
+  (``device.memory_stats()``; each system in its own process on a GPU/TPU; ``n/a`` on
+  CPU), the relative L2 error of the step-0 gradient against ``fp32``'s, and whether the
+  step holds float8 GEMMs: ``__cublas$lt$matmul$f8`` custom calls in the compiled HLO (GPU),
+  and dot_generals with ``f8E4M3FN`` operands in the lowered StableHLO (any backend).
+
+The backend is the one ``jax.devices()`` gives. Results go to
+``benchmarks/results/gpu-<device>-<date>.{md,json}`` with the device name, the versions and
+the command. ``--smoke`` runs the same code with tiny sizes (a few seconds on a CPU; the
+test suite runs it). From the repository root::
+
+    bash benchmarks/run_gpu.sh            # = PYTHONPATH=. python -m benchmarks.gpu
+    bash benchmarks/run_gpu.sh --models gpt2-small --repeats 50
+    python -m benchmarks.gpu --smoke --out-dir /tmp/gpu-smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # allow `python benchmarks/gpu.py`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    __package__ = "benchmarks"
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import autocast
+from benchmarks import _common as C
+from benchmarks.vit import SHAPES, ViT, ViTConfig, cross_entropy, synthetic_batch
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+SYSTEMS = ("fp32", "autocast-bf16", "autocast-f16", "autocast-fp8", "mpx-bf16")
+
+# ----------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """A GPT-2-style causal transformer (pre-LN, GELU MLP, tied input/output embedding)."""
+
+    vocab: int
+    seq: int
+    width: int
+    depth: int
+    heads: int
+
+
+GPT2_SMALL = GPTConfig(vocab=50257, seq=1024, width=768, depth=12, heads=12)
+
+
+class _GPTBlock(eqx.Module):
+    ln1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    ln2: eqx.nn.LayerNorm
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, width: int, heads: int, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.ln1 = eqx.nn.LayerNorm(width)
+        self.attn = eqx.nn.MultiheadAttention(heads, width, key=k1)
+        self.ln2 = eqx.nn.LayerNorm(width)
+        self.fc1 = eqx.nn.Linear(width, 4 * width, key=k2)
+        self.fc2 = eqx.nn.Linear(4 * width, width, key=k3)
+
+    def __call__(self, x, mask):
+        h = jax.vmap(self.ln1)(x)
+        x = x + self.attn(h, h, h, mask=mask)
+        return x + jax.vmap(self.fc2)(jax.nn.gelu(jax.vmap(self.fc1)(jax.vmap(self.ln2)(x))))
+
+
+class GPT(eqx.Module):
+    """Causal language model for one sequence of token ids ``(T,)`` -> logits ``(T, vocab)``."""
+
+    embed: eqx.nn.Embedding
+    pos: jax.Array
+    blocks: tuple[_GPTBlock, ...]
+    ln: eqx.nn.LayerNorm
+
+    def __init__(self, cfg: GPTConfig, *, key):
+        keys = jax.random.split(key, cfg.depth + 2)
+        self.embed = eqx.nn.Embedding(cfg.vocab, cfg.width, key=keys[0])
+        self.pos = 0.01 * jax.random.normal(keys[1], (cfg.seq, cfg.width))
+        self.blocks = tuple(_GPTBlock(cfg.width, cfg.heads, key=k) for k in keys[2:])
+        self.ln = eqx.nn.LayerNorm(cfg.width)
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.embed)(tokens) + self.pos[: tokens.shape[0]]
+        mask = jnp.tril(jnp.ones((tokens.shape[0], tokens.shape[0]), bool))
+        for block in self.blocks:
+            x = block(x, mask)
+        return jax.vmap(self.ln)(x) @ self.embed.weight.T
+
+
+@dataclass
+class Task:
+    """A model, a batch and its loss ``loss(model, batch, ce) -> scalar`` (``ce``: the
+    cross-entropy to use, so the MPX recipe can force its loss head to float32)."""
+
+    name: str
+    description: str
+    model: Any
+    batch: tuple[Any, ...]
+    loss: Callable[..., Any]
+
+
+def _vit_loss(model, batch, ce=cross_entropy):
+    x, y = batch
+    return ce(jax.vmap(model)(x), y)
+
+
+def _gpt_loss(model, batch, ce=cross_entropy):
+    (tokens,) = batch
+    logits = jax.vmap(model)(tokens[:, :-1])
+    return ce(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _vit_task(name: str, cfg: ViTConfig, batch: int) -> Task:
+    model = eqx.filter_jit(lambda k: ViT(cfg, key=k))(jax.random.key(0))
+    desc = f"ViT {cfg.image_size}x{cfg.image_size}/{cfg.patch}, width {cfg.width}, MLP {cfg.mlp_hidden}, "
+    desc += f"{cfg.depth} blocks, {cfg.heads} heads, {cfg.classes} classes; batch {batch}"
+    return Task(name, desc, model, synthetic_batch(cfg, batch, key=jax.random.key(1)), _vit_loss)
+
+
+def _gpt_task(name: str, cfg: GPTConfig, batch: int) -> Task:
+    model = eqx.filter_jit(lambda k: GPT(cfg, key=k))(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (batch, cfg.seq + 1), 0, cfg.vocab)
+    desc = f"GPT: vocabulary {cfg.vocab}, {cfg.seq} tokens, width {cfg.width}, {cfg.depth} blocks, "
+    desc += f"{cfg.heads} heads; batch {batch}"
+    return Task(name, desc, model, (tokens,), _gpt_loss)
+
+
+MODELS: dict[str, Callable[[], Task]] = {
+    "vit-base": lambda: _vit_task("vit-base", SHAPES["base"], 64),
+    "vit-desktop": lambda: _vit_task("vit-desktop", SHAPES["desktop"], 256),
+    "gpt2-small": lambda: _gpt_task("gpt2-small", GPT2_SMALL, 8),
+}
+SMOKE_MODELS: dict[str, Callable[[], Task]] = {
+    "vit-base": lambda: _vit_task(
+        "vit-base",
+        ViTConfig(image_size=8, channels=3, patch=4, width=32, mlp_hidden=64, depth=1, heads=2, classes=10),
+        4,
+    ),
+    "vit-desktop": lambda: _vit_task(
+        "vit-desktop",
+        ViTConfig(image_size=8, channels=3, patch=2, width=16, mlp_hidden=32, depth=1, heads=2, classes=10),
+        2,
+    ),
+    "gpt2-small": lambda: _gpt_task("gpt2-small", GPTConfig(vocab=64, seq=16, width=32, depth=1, heads=2), 2),
+}
+
+# ----------------------------------------------------------------------------- systems
+
+
+@dataclass
+class System:
+    """``step(params, opt_state, scaler, batch) -> (params, opt_state, scaler, loss, grads)``:
+    one training step that also returns its (unscaled) gradient."""
+
+    name: str
+    step: Callable[..., Any]
+    scaler: Any = None
+    context: Callable[[], Any] = field(default=contextlib.nullcontext)
+
+
+def mpx_available() -> bool:
+    return importlib.util.find_spec("mpx") is not None
+
+
+def _apply(opt, params, opt_state, grads):
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def build_system(name: str, task: Task, static: Any, opt: Any) -> System:
+    """System ``name`` (one of ``SYSTEMS``) for ``task``."""
+    if name == "fp32":
+
+        def step(p, opt_state, scaler, batch):
+            loss, g = jax.value_and_grad(lambda q: task.loss(eqx.combine(q, static), batch))(p)
+            p, opt_state = _apply(opt, p, opt_state, g)
+            return p, opt_state, scaler, loss, g
+
+        return System(name, step)
+    if name.startswith("autocast"):
+        dtype = {"autocast-bf16": BF16, "autocast-f16": F16, "autocast-fp8": BF16}[name]
+        policy = autocast.load_policy("fp8") if name == "autocast-fp8" else None
+        amp_loss = autocast.amp(task.loss, compute_dtype=dtype, amp_policy=policy)
+        gfn = autocast.dynamic_scale_value_and_grad(amp_loss)
+
+        def step(p, opt_state, scaler, batch):
+            model = eqx.combine(p, static)
+            scaler, (loss, grads) = gfn(model, batch, dynamic_scaler_state=scaler)
+            model, opt_state = autocast.optimizer_update(model, opt, opt_state, grads, scaler.grads_finite)
+            return eqx.filter(model, eqx.is_array), opt_state, scaler, loss, eqx.filter(grads, eqx.is_array)
+
+        scaler = autocast.DynamicScalerState() if dtype == F16 else autocast.NoOpScalerState()
+        return System(name, step, scaler)
+    if name == "mpx-bf16":
+        import mpx
+
+        ce = mpx.force_full_precision(cross_entropy, F32)
+
+        def f(model, batch):
+            model, batch = mpx.cast_to_half_precision((model, batch))
+            return task.loss(model, batch, ce)
+
+        def step(p, opt_state, scaler, batch):
+            model = eqx.combine(p, static)
+            loss, scaler, finite, grads = mpx.filter_value_and_grad(f, scaler)(model, batch)
+            model, opt_state = mpx.optimizer_update(model, opt, opt_state, grads, finite)
+            return eqx.filter(model, eqx.is_array), opt_state, scaler, loss, eqx.filter(grads, eqx.is_array)
+
+        @contextlib.contextmanager
+        def bf16():
+            old = mpx.half_precision_datatype()
+            mpx.set_half_precision_datatype(BF16)
+            try:
+                yield
+            finally:
+                mpx.set_half_precision_datatype(old)
+
+        scaler = mpx.DynamicLossScaling(
+            loss_scaling=jnp.asarray(2.0**15, F32), min_loss_scaling=jnp.asarray(1.0, F32), period=2000
+        )
+        return System(name, step, scaler, bf16)
+    raise ValueError(f"system {name!r} unknown; allowed: {list(SYSTEMS)}")
+
+
+# ----------------------------------------------------------------------------- measuring
+
+_CUBLAS_F8 = "__cublas$lt$matmul$f8"
+_STABLEHLO_F8_DOT = re.compile(r"stablehlo\.dot_general[^\n]*f8E4M3FN")
+
+
+def fp8_in_hlo(lowered: Any, compiled: Any) -> dict[str, int]:
+    """Float8 matmuls in a step: dot_generals with ``f8E4M3FN`` operands in the lowered
+    StableHLO, and cuBLASLt fp8 GEMM custom calls in the compiled HLO (GPU only)."""
+    return {
+        "stablehlo_f8_dots": len(_STABLEHLO_F8_DOT.findall(lowered.as_text())),
+        "cublas_f8_gemms": compiled.as_text().count(_CUBLAS_F8),
+    }
+
+
+def _rel_err(grads: Any, ref: Any) -> float | None:
+    """Relative L2 error of a gradient; None if it is not finite (a step the loss scaler skips)."""
+    a = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(grads)]
+    b = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(ref)]
+    if not all(np.isfinite(x).all() for x in a):
+        return None
+    diff = np.sqrt(sum(np.sum((x - y) ** 2) for x, y in zip(a, b)))
+    return float(diff / np.sqrt(sum(np.sum(y**2) for y in b)))
+
+
+# Smoke runs: XLA's HLO passes still run, LLVM's backend optimisation is lowered (the
+# tiny steps' time is compile time; see tests/test_models_equinox.py FAST_COMPILE).
+SMOKE_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+_compiler_options: dict[str, Any] | None = None
+
+
+def _prepare(task: Task, name: str):
+    params, static = eqx.partition(task.model, eqx.is_array)
+    opt = optax.adamw(1e-4, weight_decay=1e-4)
+    opt_state = opt.init(params)
+    system = build_system(name, task, static, opt)
+    with system.context():
+        jitted = jax.jit(system.step, compiler_options=_compiler_options)
+        (lowered, compiled), times = C.trace_lower_compile(jitted, params, opt_state, system.scaler, task.batch)
+        out = C.block(compiled(params, opt_state, system.scaler, task.batch))  # step 0: its gradient
+    run = lambda: compiled(params, opt_state, system.scaler, task.batch)  # noqa: E731
+    info = {
+        "compile_s": times["total"],
+        "fp8": fp8_in_hlo(lowered, compiled),
+        "loss0": float(out[3]),
+        "grads0": out[4],
+        "xla_memory": C.compiled_memory(compiled),
+    }
+    return system, run, info
+
+
+def measure_in_process(task: Task, names: list[str], *, warmup: int, repeats: int) -> dict[str, dict[str, Any]]:
+    """Every system of ``names`` on ``task`` in this process; step times interleaved."""
+    results: dict[str, dict[str, Any]] = {}
+    runners = {}
+    for name in names:
+        try:
+            system, run, info = _prepare(task, name)
+        except Exception as e:  # noqa: BLE001 - a failing system is a result
+            results[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+            continue
+        results[name] = info
+        runners[name] = (system, run)
+    if runners:
+        with contextlib.ExitStack() as stack:
+            # MPX's half dtype is a global setting: only one MPX system per run, entered for all
+            for system, _ in runners.values():
+                stack.enter_context(system.context())
+            timing = C.interleaved_medians({n: r for n, (_, r) in runners.items()}, warmup=warmup, repeats=repeats)
+        for name, t in timing.items():
+            results[name]["median_step_s"] = t["median"]
+            results[name]["iqr_step_s"] = t["iqr"]
+    return results
+
+
+def _child(model: str, name: str, smoke: bool, warmup: int, repeats: int) -> None:
+    """One system in a fresh process: its peak device memory is its own."""
+    task = (SMOKE_MODELS if smoke else MODELS)[model]()
+    res = measure_in_process(task, [name], warmup=warmup, repeats=repeats)[name]
+    res["peak_bytes"] = C.device_peak_bytes()
+    grads = res.pop("grads0", None)
+    if grads is not None:
+        np.savez(
+            os.environ["AUTOCAST_GPU_GRADS"], *[np.asarray(g, np.float32) for g in jax.tree_util.tree_leaves(grads)]
+        )
+    print(json.dumps(res, default=str))
+
+
+def measure_isolated(model: str, names: list[str], *, smoke: bool, warmup: int, repeats: int, tmp: Path):
+    """Every system in its own process (peak device memory per system); gradients come
+    back through ``.npz`` files."""
+    results = {}
+    for name in names:
+        grads_path = tmp / f"{model}-{name}.npz"
+        cmd = [sys.executable, "-m", "benchmarks.gpu", "--_child", model, name, "--warmup", str(warmup)]
+        cmd += ["--repeats", str(repeats)] + (["--smoke"] if smoke else [])
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", AUTOCAST_GPU_GRADS=str(grads_path))
+        root = Path(__file__).resolve().parent.parent
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
+        try:
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            res = {"error": (proc.stderr.strip().splitlines() or ["child failed"])[-1][:300]}
+        if grads_path.exists():
+            with np.load(grads_path) as z:
+                res["grads0"] = [z[k] for k in sorted(z.files, key=lambda s: int(s.split("_")[1]))]
+        results[name] = res
+    return results
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _fmt(v, spec, suffix="") -> str:
+    return "n/a" if v is None else f"{v:{spec}}{suffix}"
+
+
+def _fp8_cell(res: dict[str, Any], backend: str) -> str:
+    f = res.get("fp8")
+    if not f:
+        return "-"
+    if backend == "gpu":
+        return f"{f['cublas_f8_gemms']} cuBLASLt f8 GEMMs ({f['stablehlo_f8_dots']} f8 dots lowered)"
+    return f"{f['stablehlo_f8_dots']} f8E4M3FN dots lowered (cuBLASLt: n/a on {backend})"
+
+
+def table(model: str, desc: str, results: dict[str, dict[str, Any]], backend: str) -> str:
+    base = results.get("fp32", {}).get("median_step_s")
+    rows = [
+        f"### {model}\n\n{desc}\n",
+        "| system | median step time | vs fp32 | peak device memory | step-0 gradient error vs fp32 | fp8 GEMMs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        if "error" in r:
+            rows.append(f"| {name} | failed: {r['error']} | | | | |")
+            continue
+        t = r.get("median_step_s")
+        ratio = t / base if t is not None and base else None
+        peak = r.get("peak_bytes")
+        err = r.get("grad_err_vs_fp32")
+        err_cell = "non-finite (step skipped by the loss scaler)" if err is None and "grad_err_vs_fp32" in r else None
+        rows.append(
+            f"| {name} | {_fmt(t and t * 1e3, '.2f', ' ms')} | {_fmt(ratio, '.2f', 'x')} | "
+            f"{'n/a' if peak is None else C.fmt_bytes(peak)} | {err_cell or _fmt(err, '.2e')} | {_fp8_cell(r, backend)} |"
+        )
+    return "\n".join(rows)
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, few repeats: checks the code on any backend")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    ap.add_argument("--repeats", type=int, default=None, help="timed steps per system (default 20; smoke 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps per system (default 3; smoke 1)")
+    ap.add_argument(
+        "--isolate",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="each system in its own process, for its peak device memory (auto: on a GPU/TPU)",
+    )
+    ap.add_argument("--out-dir", default=None, help="where the results go (default: benchmarks/results)")
+    ap.add_argument("--_child", nargs=2, metavar=("MODEL", "SYSTEM"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.repeats = args.repeats if args.repeats is not None else (3 if args.smoke else 20)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
+    for flag, v, low in (("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0)):
+        if v < low:
+            ap.error(f"{flag}: got {v}; must be an integer >= {low}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns what it writes to the ``.json`` file."""
+    global _compiler_options
+    args = _parse(argv)
+    _compiler_options = SMOKE_COMPILE if args.smoke and jax.default_backend() == "cpu" else None
+    if args._child:
+        _child(*args._child, args.smoke, args.warmup, args.repeats)
+        return {}
+    t0 = time.perf_counter()
+    meta = C.metadata()
+    backend = jax.default_backend()
+    device = jax.devices()[0].device_kind
+    isolate = args.isolate == "yes" or (args.isolate == "auto" and backend != "cpu")
+    cmd = " ".join(["python -m benchmarks.gpu", *(argv if argv is not None else sys.argv[1:])])
+    names = list(args.systems)
+    notes = []
+    if "mpx-bf16" in names and not mpx_available():
+        names.remove("mpx-bf16")
+        notes.append("- mpx-bf16: skipped, the `mpx` package (mixed-precision-for-jax) is not importable here.")
+    if backend == "cpu":
+        notes.append(
+            "- CPU: no peak device memory (`memory_stats()` is absent: n/a); XLA-CPU runs float8 dots by converting "
+            "to a wider type, so fp8 step times here say nothing about a GPU."
+        )
+    out_dir = Path(args.out_dir) if args.out_dir else C.RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    factories = SMOKE_MODELS if args.smoke else MODELS
+    print(f"GPU benchmark on {backend} ({device}), jax {jax.__version__}; models {args.models}, systems {names}")
+    report: dict[str, Any] = {"command": cmd, "meta": meta, "args": vars(args), "smoke": args.smoke, "models": {}}
+    sections = []
+    for model in args.models:
+        task = factories[model]()
+        if isolate:
+            res = measure_isolated(
+                model, names, smoke=args.smoke, warmup=args.warmup, repeats=args.repeats, tmp=out_dir
+            )
+        else:
+            res = measure_in_process(task, names, warmup=args.warmup, repeats=args.repeats)
+        ref = res.get("fp32", {}).get("grads0")
+        for r in res.values():
+            g = r.pop("grads0", None)
+            if g is not None and ref is not None:
+                r["grad_err_vs_fp32"] = _rel_err(g, ref)
+        for p in out_dir.glob(f"{model}-*.npz"):
+            p.unlink()
+        report["models"][model] = {"description": task.description, "results": res}
+        sections.append(table(model, task.description, res, backend))
+        print(sections[-1], flush=True)
+    wall = time.perf_counter() - t0
+    report["wall_time_s"] = wall
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower() or backend
+    stem = out_dir / f"gpu-{slug}-{date}{'-smoke' if args.smoke else ''}"
+    C.write_json(stem.with_suffix(".json"), report)
+    md = (
+        f"## Training-step benchmark ({backend}: {device})\n\nCommand: `{cmd}`\n\n{C.metadata_markdown(meta)}"
+        f"- wall time: {wall / 60:.1f} min; {args.warmup} warm-up and {args.repeats} timed steps per system, "
+        f"interleaved; {'each system in its own process' if isolate else 'all systems in one process'}\n\n"
+        "Gradient error: relative L2 error of the step-0 gradient (all parameters) against fp32's, same "
+        "parameters and batch. fp8 GEMMs: cuBLASLt float8 GEMM custom calls in the compiled step (GPU), "
+        "dot_generals with float8_e4m3fn operands in the lowered StableHLO.\n\n"
+        + ("\n".join(notes) + "\n\n" if notes else "")
+        + "\n\n".join(sections)
+        + "\n"
+    )
+    stem.with_suffix(".md").write_text(md)
+    print(f"wrote {stem}.md and .json ({wall:.0f} s)")
+    report["paths"] = [str(stem.with_suffix(".md")), str(stem.with_suffix(".json"))]
+    return report
+
+
+if __name__ == "__main__":
+    main()

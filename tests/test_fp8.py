@@ -1,0 +1,324 @@
+"""float8 matmuls (``policies/fp8.toml``, ``autocast/_fp8.py``) against an explicit reference.
+
+The reference quantizes with ``ml_dtypes`` in numpy (per-tensor current scaling: amax in
+float32, scale = amax / fp8 max, values clipped before the cast) and multiplies the
+dequantized operands in float64. XLA's convert may round a value one fp8 step away from
+``ml_dtypes`` (openxla 17324), so comparisons allow that.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import operand_dtypes, walk
+from jax import lax
+
+import autocast
+from autocast import _compat, _fp8
+
+ROOT = Path(__file__).resolve().parent.parent
+E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+FP8 = autocast.load_policy("fp8")
+
+
+def ref_quantize(x, dtype):
+    """(dequantized value, scale) of the reference quantization, in float64."""
+    x32 = np.asarray(x, np.float32)
+    fmax = np.float32(ml_dtypes.finfo(dtype).max)
+    amax = np.max(np.abs(x32))
+    scale = np.float32(1.0) if amax == 0 else np.float32(amax / fmax)
+    q = np.clip(x32 / scale, -fmax, fmax).astype(dtype)
+    return q.astype(np.float64) * np.float64(scale), scale
+
+
+def one_fp8_step(a, b, dtype):
+    """|a - b| within one fp8 step of b (relative 2**-mantissa bits, or a subnormal step)."""
+    info = ml_dtypes.finfo(dtype)
+    return np.abs(a - b) <= 2.0 ** -int(info.nmant) * np.abs(b) + float(info.smallest_subnormal) * 1.0001
+
+
+def _rng(seed, *shape, scale=1.0):
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32) * scale
+
+
+# --- quantization and the fp8 product -------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 3e4])
+def test_quantize_matches_ml_dtypes(dtype, scale):
+    x = _rng(0, 64, 48, scale=scale)
+    q, s = _fp8.quantize(jnp.asarray(x), dtype)
+    assert q.dtype == np.dtype(dtype) and s.dtype == np.float32
+    ref, ref_s = ref_quantize(x, dtype)
+    np.testing.assert_allclose(float(s), ref_s, rtol=1e-6)
+    deq = np.asarray(q, np.float64) * float(s)
+    ok = one_fp8_step(deq, ref, dtype)
+    assert ok.all(), f"{(~ok).sum()} values more than one fp8 step from ml_dtypes"
+    assert np.mean(deq == ref) > 0.99  # and almost all exactly equal
+    assert np.isfinite(deq).all() and np.max(np.abs(deq)) <= np.max(np.abs(x)) * 1.0001
+
+
+def test_quantize_zero_tensor_has_scale_one():
+    q, s = _fp8.quantize(jnp.zeros((4, 4)), E4M3)
+    assert float(s) == 1.0 and not np.asarray(q, np.float32).any()
+
+
+DNS = {
+    "matmul": ((32, 48), (48, 24), (((1,), (0,)), ((), ()))),
+    "weight_first": ((24, 48), (32, 48), (((1,), (1,)), ((), ()))),  # W @ x.T, as equinox under vmap
+    "batched": ((4, 16, 32), (4, 32, 20), (((2,), (1,)), ((0,), (0,)))),  # attention-like
+    "contract_two": ((8, 6, 20), (6, 20, 12), (((1, 2), (0, 1)), ((), ()))),
+}
+
+
+@pytest.mark.parametrize("name", list(DNS))
+def test_forward_and_backward_equal_reference(name):
+    xs, ws, dn = DNS[name]
+    x, w = _rng(1, *xs), _rng(2, *ws, scale=0.05)
+    ct = _rng(3, *jax.eval_shape(lambda a, b: lax.dot_general(a, b, dn), x, w).shape, scale=1e-3)
+
+    y, vjp = jax.vjp(lambda a, b: _fp8.fp8_dot_general(a, b, dn, jnp.float32), jnp.asarray(x), jnp.asarray(w))
+    dx, dw = vjp(jnp.asarray(ct))
+    assert dx.dtype == dw.dtype == np.float32
+
+    # reference: dequantized operands (ml_dtypes), products in float64
+    qx, _ = ref_quantize(x, E4M3)
+    qw, _ = ref_quantize(w, E4M3)
+    qg, _ = ref_quantize(ct, E5M2)
+    f = lambda a, b: np.asarray(jax.jit(lambda a, b: lax.dot_general(a, b, dn))(a, b), np.float64)  # noqa: E731
+    with jax.enable_x64(True) if hasattr(jax, "enable_x64") else jax.experimental.enable_x64():
+        y_ref = f(qx, qw)
+        _, vjp_ref = jax.vjp(lambda a, b: lax.dot_general(a, b, dn), qx, qw)
+        dx_ref, dw_ref = (np.asarray(v, np.float64) for v in vjp_ref(qg))
+
+    for got, ref in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        got = np.asarray(got, np.float64)
+        # within fp8 rounding: a one-step difference of a few quantized values, float32 accumulation
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < 5e-3, (name, err)
+    # ... and the quantization error is what it should be, against float32 maths
+    y32 = np.asarray(lax.dot_general(x, w, dn), np.float64)
+    assert 1e-3 < np.linalg.norm(np.asarray(y) - y32) / np.linalg.norm(y32) < 0.1
+
+
+def test_gradients_keep_operand_dtypes():
+    x, w = jnp.asarray(_rng(0, 32, 32), jnp.bfloat16), jnp.asarray(_rng(1, 32, 16))
+    dn = (((1,), (0,)), ((), ()))
+    y, vjp = jax.vjp(lambda a, b: _fp8.fp8_dot_general(a, b, dn, jnp.bfloat16), x, w)
+    dx, dw = vjp(jnp.ones_like(y))
+    assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+
+
+def test_bad_operand_dtype_is_named():
+    with pytest.raises(TypeError, match="x has dtype int32"):
+        _fp8.fp8_dot_general(jnp.ones((16, 16), jnp.int32), jnp.ones((16, 16)), (((1,), (0,)), ((), ())))
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_bad_min_dim(bad):
+    with pytest.raises(ValueError, match="min_dim"):
+        autocast.use_float8(min_dim=bad)
+
+
+# --- under amp --------------------------------------------------------------------------------
+
+
+def _mlp_params(seed=0, d_in=32, hidden=64, d_out=16):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {
+        "w1": jax.random.normal(k1, (d_in, hidden)) / np.sqrt(d_in),
+        "b1": jnp.zeros(hidden),
+        "w2": jax.random.normal(k2, (hidden, d_out)) / np.sqrt(hidden),
+    }
+
+
+def mlp_loss(p, x):
+    h = jax.nn.gelu(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"]) ** 2)
+
+
+def attention_loss(p, x):
+    """A one-head attention: q/k/v/out projections (weights) and two activation products."""
+    q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+    with jax.named_scope("attention"):
+        s = jax.nn.softmax(q @ k.T / np.sqrt(q.shape[-1]), axis=-1)
+        o = s @ v
+    return jnp.mean((o @ p["wo"]) ** 2)
+
+
+def _attn_params(d=32):
+    ks = jax.random.split(jax.random.key(1), 4)
+    return {n: jax.random.normal(k, (d, d)) / np.sqrt(d) for n, k in zip(("wq", "wk", "wv", "wo"), ks)}
+
+
+def _dots(closed):
+    """(operand dtypes) of every dot_general in a jaxpr, recursively."""
+    return [operand_dtypes(e) for e, _ in walk(closed) if e.primitive.name == "dot_general"]
+
+
+def _grad_dots(fn, *args):
+    return _dots(jax.make_jaxpr(jax.grad(fn))(*args))
+
+
+def test_policy_puts_weight_matmuls_in_float8_forward_and_backward():
+    p, x = _mlp_params(), jnp.asarray(_rng(5, 32, 32))
+    f = autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8)
+    fwd = _dots(jax.make_jaxpr(f)(p, x))
+    assert fwd and all(d == ("float8_e4m3fn", "float8_e4m3fn") for d in fwd), fwd
+    both = _grad_dots(f, p, x)
+    # forward e4m3 x e4m3; backward e5m2 cotangent against e4m3 operands, no half or float32 product
+    assert set(both) == {("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e4m3fn")}, both
+    assert len(both) == 6
+
+
+def test_gradients_close_to_float32_and_params_float32():
+    p, x = _mlp_params(), jnp.asarray(_rng(5, 32, 32))
+    g32 = jax.grad(mlp_loss)(p, x)
+    g8 = jax.grad(autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8))(p, x)
+    gbf = jax.grad(autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16))(p, x)
+    for k in p:
+        assert g8[k].dtype == jnp.float32
+        ref = np.asarray(g32[k])
+        e8 = np.linalg.norm(np.asarray(g8[k]) - ref) / np.linalg.norm(ref)
+        ebf = np.linalg.norm(np.asarray(gbf[k]) - ref) / np.linalg.norm(ref)
+        assert e8 < 0.1, (k, e8)
+        assert e8 > ebf  # fp8 is coarser than bf16: the float8 path really ran
+
+
+def test_saved_residuals_of_fp8_matmuls_are_fp8():
+    p, x = _mlp_params(), jnp.asarray(_rng(5, 32, 32))
+    # remat_float32=False: no recomputed island (whose checkpoint saves its own inputs)
+    f = autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8, remat_float32=False)
+    saved = _compat.saved_residuals(f, p, x)
+    dtypes = [str(aval.dtype) for aval, _ in saved]
+    # both operands of both matmuls, in float8 (the scales are float32 scalars)
+    big = [(str(a.dtype), tuple(a.shape)) for a, _ in saved if a.size >= 32 * 16]
+    assert ("float8_e4m3fn", (32, 32)) in big and ("float8_e4m3fn", (32, 64)) in big
+    assert ("float8_e4m3fn", (64, 16)) in big
+    assert "float8_e4m3fn" in dtypes
+    # no float32/bf16 copy of a matmul operand: x (input), w1, h, w2 are saved only in fp8
+    assert not any(s in ((32, 32), (64, 16)) for d, s in big if not d.startswith("float8")), big
+
+
+@pytest.mark.parametrize("where", ["input", "weight"])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_planted_non_finite_gives_non_finite_gradient(where, bad):
+    p, x = _mlp_params(), _rng(5, 32, 32)
+    if where == "input":
+        x[3, 7] = bad
+    else:
+        p = dict(p, w1=p["w1"].at[4, 5].set(bad))
+    f = autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8)
+    loss, g = jax.value_and_grad(f)(p, jnp.asarray(x))
+    assert not np.isfinite(float(loss))
+    assert not bool(autocast.all_finite(g))
+    assert not np.isfinite(np.asarray(g["w2"])).all()
+
+
+def test_non_finite_cotangent_gives_non_finite_gradient():
+    dn = (((1,), (0,)), ((), ()))
+    _, vjp = jax.vjp(lambda a, b: _fp8.fp8_dot_general(a, b, dn), jnp.ones((16, 16)), jnp.ones((16, 16)))
+    ct = jnp.ones((16, 16), jnp.bfloat16).at[0, 0].set(jnp.inf)
+    dx, dw = vjp(ct)
+    assert not np.isfinite(np.asarray(dx, np.float32)).all()
+    assert not np.isfinite(np.asarray(dw)).all()
+
+
+def test_dynamic_scaler_skips_a_step_with_overflow():
+    p, x = _mlp_params(), _rng(5, 32, 32)
+    x[0, 0] = np.inf
+    grad_fn = autocast.dynamic_scale_grad(autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8))
+    state, _ = grad_fn(p, jnp.asarray(x), dynamic_scaler_state=autocast.DynamicScalerState())
+    assert not bool(state.grads_finite)
+
+
+def test_small_matmuls_and_activation_products_stay_bfloat16():
+    p, x = _attn_params(), jnp.asarray(_rng(6, 24, 32))
+    f = autocast.amp(attention_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8)
+    fwd = _dots(jax.make_jaxpr(f)(p, x))
+    # four projections in fp8; the score and value products (two activations) in bf16
+    assert sorted(fwd).count(("float8_e4m3fn", "float8_e4m3fn")) == 4
+    assert sorted(fwd).count(("bfloat16", "bfloat16")) == 2
+    # a GEMM size below min_dim (N = 8): bf16
+    small = autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8)
+    fwd_small = _dots(jax.make_jaxpr(small)(_mlp_params(d_out=8), jnp.asarray(_rng(5, 32, 32))))
+    assert fwd_small.count(("float8_e4m3fn", "float8_e4m3fn")) == 1 and len(fwd_small) == 2, fwd_small
+
+
+def test_named_scope_selects_activation_products():
+    p, x = _attn_params(), jnp.asarray(_rng(6, 24, 32))
+    policy = autocast.extend_policy({"attention": autocast.use_float8(activations=True)}, base=FP8)
+    fwd = _dots(jax.make_jaxpr(autocast.amp(attention_loss, compute_dtype=jnp.bfloat16, amp_policy=policy))(p, x))
+    assert fwd.count(("float8_e4m3fn", "float8_e4m3fn")) == 6, fwd
+    # the other way round: a scope keeps its matmuls out of float8
+    policy = autocast.extend_policy({"attention": autocast.use_compute_precision}, base=FP8)
+    fwd = _dots(jax.make_jaxpr(autocast.amp(attention_loss, compute_dtype=jnp.bfloat16, amp_policy=policy))(p, x))
+    assert fwd.count(("float8_e4m3fn", "float8_e4m3fn")) == 4
+
+
+def test_fp8_any_category_in_a_policy_file(tmp_path):
+    text = (ROOT / "policies" / "fp8.toml").read_text() + '"attention" = "fp8_any"\n'
+    path = tmp_path / "mine.toml"
+    path.write_text(text)
+    policy = autocast.load_policy(path)
+    p, x = _attn_params(), jnp.asarray(_rng(6, 24, 32))
+    fwd = _dots(jax.make_jaxpr(autocast.amp(attention_loss, compute_dtype=jnp.bfloat16, amp_policy=policy))(p, x))
+    assert fwd.count(("float8_e4m3fn", "float8_e4m3fn")) == 6, fwd
+
+
+def test_fp8_policy_is_the_default_policy_but_dot_general():
+    def load(name):
+        return tomllib.loads((ROOT / "policies" / f"{name}.toml").read_text())
+
+    default, fp8 = load("default"), load("fp8")
+    assert fp8["primitives"]["fp8"] == ["dot_general"]
+    assert fp8["primitives"]["compute"] == [n for n in default["primitives"]["compute"] if n != "dot_general"]
+    for key in ("float32", "input", "as_is", "original", "convert", "recurse"):
+        assert fp8["primitives"][key] == default["primitives"][key], key
+    assert fp8["scopes"] == default["scopes"] and fp8["fallback"] == default["fallback"]
+    assert not FP8.unresolved or set(FP8.unresolved) == set(autocast.default_amp_policy.unresolved)
+
+
+def test_forward_mode_raises_clearly():
+    p, x = _mlp_params(), jnp.asarray(_rng(5, 32, 32))
+    f = autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8)
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(lambda p: f(p, x), (p,), (p,))
+
+
+def test_explain_reports_float8_matmuls_and_bytes_saved():
+    p, x = _attn_params(), jnp.asarray(_rng(6, 24, 32))
+    report = autocast.explain(attention_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8)(p, x)
+    assert len(report.float8_matmuls) == 4 and not report.float32_matmuls
+    m = report.float8_matmuls[0]
+    assert m.shape == ((24, 32), (32, 32)) and m.count == 1
+    assert m.bytes_saved == (24 * 32 + 32 * 32) * 1  # bf16 -> fp8: one byte per element
+    text = report._plain()
+    assert "matmuls in float8: 4" in text and "test_fp8.py" in text
+    assert report.to_dict()["float8_matmuls"][0]["bytes_saved"] == m.bytes_saved
+    assert any(r["why"].endswith("float8") and r["rule"] == "fp8" for r in report.rows)
+
+
+def test_jit_scan_and_vmap_bodies():
+    p, xs = _mlp_params(), jnp.asarray(_rng(7, 3, 32, 32))
+
+    def loss(p, xs):
+        def body(c, x):
+            return c + jax.jit(mlp_loss)(p, x), None
+
+        return jax.lax.scan(body, 0.0, xs)[0] + jnp.sum(jax.vmap(mlp_loss, (None, 0))(p, xs))
+
+    f = autocast.amp(loss, compute_dtype=jnp.bfloat16, amp_policy=FP8)
+    g, g32 = jax.grad(f)(p, xs), jax.grad(loss)(p, xs)
+    both = _grad_dots(f, p, xs)
+    assert both and all(d[0].startswith("float8") and d[1].startswith("float8") for d in both), both
+    for k in p:
+        ref = np.asarray(g32[k])
+        assert np.linalg.norm(np.asarray(g[k]) - ref) / np.linalg.norm(ref) < 0.1

@@ -1,0 +1,75 @@
+"""``benchmarks/run_gpu.sh --smoke``: the accelerator benchmark's code, tiny sizes, on CPU.
+
+Runs the script itself (as a user would, with ``PYTHONPATH=.`` set by it) once, writing to a
+temporary folder, and checks what it wrote: every model and system, step times, gradient
+errors against fp32 that are small but not zero, float8 dots in the fp8 step's StableHLO and
+in no other, and ``n/a`` for the device memory a CPU does not report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu")
+    env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--smoke", "--out-dir", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=out,  # the script finds the repository itself
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (js,) = out.glob("gpu-*-smoke.json")
+    (md,) = out.glob("gpu-*-smoke.md")
+    assert not list(out.glob("*.npz"))
+    return json.loads(js.read_text()), md.read_text(), js.name
+
+
+def test_every_model_and_system(smoke):
+    data, md, name = smoke
+    assert name.startswith("gpu-cpu-") and data["smoke"] is True
+    assert data["meta"]["backend"] == "cpu" and data["meta"]["versions"]["jax"]
+    assert "--smoke" in data["command"]
+    systems = list(gpu.SYSTEMS) if gpu.mpx_available() else [s for s in gpu.SYSTEMS if s != "mpx-bf16"]
+    assert list(data["models"]) == list(gpu.MODELS)
+    for model, entry in data["models"].items():
+        res = entry["results"]
+        assert list(res) == systems, (model, res)
+        for system, r in res.items():
+            assert "error" not in r, (model, system, r)
+            assert r["median_step_s"] > 0 and r["compile_s"] > 0
+            assert r["peak_bytes"] is None if "peak_bytes" in r else True
+        assert res["fp32"]["grad_err_vs_fp32"] == 0.0
+        for system in ("autocast-bf16", "autocast-fp8"):
+            assert 1e-4 < res[system]["grad_err_vs_fp32"] < 0.5, (model, system, res[system]["grad_err_vs_fp32"])
+        # float8 is coarser than bfloat16: the fp8 step really ran in float8
+        assert res["autocast-fp8"]["grad_err_vs_fp32"] > res["autocast-bf16"]["grad_err_vs_fp32"]
+        assert res["autocast-fp8"]["fp8"]["stablehlo_f8_dots"] > 0
+        assert all(r["fp8"]["stablehlo_f8_dots"] == 0 for s, r in res.items() if s != "autocast-fp8")
+        assert all(r["fp8"]["cublas_f8_gemms"] == 0 for r in res.values())  # CPU: no cuBLAS
+        assert f"### {model}" in md
+    assert "| autocast-fp8 |" in md and "n/a" in md
+    if not gpu.mpx_available():
+        assert "mpx-bf16: skipped" in md
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(SystemExit):
+        gpu._parse(["--repeats", "0"])
+    with pytest.raises(ValueError, match="system 'nope' unknown"):
+        gpu.build_system("nope", None, None, None)
