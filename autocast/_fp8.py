@@ -194,6 +194,7 @@ class _Float8Rule:
     """A policy rule: cast like ``use_compute_precision``; bind eligible matmuls in float8."""
 
     compute_like = True
+    casts_only = True  # a matmul it leaves to the interpreter gets a float32 weight gradient too
 
     def __init__(self, min_dim: int = MIN_DIM, activations: bool = False):
         if not isinstance(min_dim, int) or isinstance(min_dim, bool) or min_dim < 1:

@@ -546,10 +546,11 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
     outs = binder(ctx, eqn, invals, new_invals, params) if binder is not None else None
     # Matmuls read only in float32 store a float32 result (``widen``); the cotangent of a
     # free operand (a parameter) narrowed from float32 by a casting rule is accumulated in
-    # float32 (``_wide``).
+    # float32 (``_wide``). Also for a matmul that a rule's binder declined (a float8 rule's
+    # matmul too small for float8 runs in the compute dtype).
     f32_ct = (
         _wide.narrowed(invals, new_invals, in_free)
-        if outs is None and binder is None and ctx.float32_cotangents and _rules.casts_only(rule)
+        if outs is None and ctx.float32_cotangents and _rules.casts_only(rule)
         else []
     )
     if outs is not None:

@@ -322,3 +322,17 @@ def test_jit_scan_and_vmap_bodies():
     for k in p:
         ref = np.asarray(g32[k])
         assert np.linalg.norm(np.asarray(g[k]) - ref) / np.linalg.norm(ref) < 0.1
+
+
+def test_matmul_too_small_for_float8_keeps_a_float32_weight_gradient():
+    """A matmul the float8 rule leaves in the compute dtype (below ``min_dim``) still gets
+    the float32 weight gradient of the default policy: the backward dot writes float32."""
+    w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+    for policy in (FP8, None):
+        f = autocast.amp(lambda w, x: jnp.sum(jnp.tanh(x @ w)), compute_dtype=jnp.float16, amp_policy=policy)
+        closed = jax.make_jaxpr(jax.grad(f))(w, x)
+        dots = [e for e, _ in walk(closed) if e.primitive.name == "dot_general"]
+        assert all("float8" not in d for e in dots for d in operand_dtypes(e))
+        weight_grads = [e for e in dots if tuple(e.outvars[0].aval.shape) == (8, 8)]
+        assert weight_grads and all(str(e.outvars[0].aval.dtype) == "float32" for e in weight_grads)
+        assert all(d == "float16" for e in weight_grads for d in operand_dtypes(e))
