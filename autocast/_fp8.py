@@ -157,7 +157,10 @@ def fp8_dot_general(x: Any, w: Any, dimension_numbers: Any, out_dtype: Any = jnp
 
     Example::
 
-        y = fp8_dot_general(x, w, (((1,), (0,)), ((), ())), jnp.bfloat16)
+        from autocast._fp8 import fp8_dot_general
+
+        x, w = jnp.ones((32, 64)), jnp.ones((64, 16))
+        y = fp8_dot_general(x, w, (((1,), (0,)), ((), ())), jnp.bfloat16)  # bf16[32, 16]
     """
     for name, v in (("x", x), ("w", w)):
         d = _dtypes.dtype_of(v)

@@ -37,39 +37,65 @@ def _jaxprs_in_params(params: dict) -> Iterator[Any]:
 
 def widened_from_half(jaxpr: Any) -> dict[Any, str]:
     """Vars that a ``convert_element_type`` widened from float16/bfloat16 to float32, with
-    the half dtype. Where the backend lacks a half x half -> float32 matmul kernel for every
-    layout (XLA:CPU and bfloat16), ``amp`` widens such a matmul's operands exactly
-    (``_compat.half_matmul_operands``): the matmul still reads half-precision values."""
-    return {
-        e.outvars[0]: str(e.invars[0].aval.dtype)
-        for e, _ in walk(jaxpr)
-        if e.primitive.name == "convert_element_type"
-        and str(e.invars[0].aval.dtype) in ("float16", "bfloat16")
-        and str(e.outvars[0].aval.dtype) == "float32"
-    }
+    the half dtype, followed into the bodies of nested calls and loops (a body's input that
+    receives such a value counts too). Where the backend lacks a half x half -> float32
+    matmul kernel for every layout (XLA:CPU and bfloat16), ``amp`` widens such a matmul's
+    operands exactly (``_compat.half_matmul_operands``): the matmul still reads
+    half-precision values."""
+    found: dict[Any, str] = {}
+
+    def visit(jaxpr: Any) -> None:
+        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+        for e in jaxpr.eqns:
+            if (
+                e.primitive.name == "convert_element_type"
+                and str(e.invars[0].aval.dtype) in ("float16", "bfloat16")
+                and str(e.outvars[0].aval.dtype) == "float32"
+            ):
+                found[e.outvars[0]] = str(e.invars[0].aval.dtype)
+            for sub in _jaxprs_in_params(e.params):
+                inner = getattr(sub, "jaxpr", sub)
+                # operands passed one to one (jit, remat, custom_jvp, scan), or after an
+                # index (cond's branches)
+                outer = (
+                    e.invars if len(inner.invars) == len(e.invars) else e.invars[len(e.invars) - len(inner.invars) :]
+                )
+                if len(outer) == len(inner.invars):
+                    for o, i in zip(outer, inner.invars):
+                        if not isinstance(o, jex.Literal) and o in found and str(i.aval.dtype) == "float32":
+                            found[i] = found[o]
+                visit(inner)
+
+    visit(jaxpr)
+    return found
 
 
-def operand_dtypes(eqn: Any) -> tuple[str, ...]:
-    return tuple(str(v.aval.dtype) for v in eqn.invars)
+def operand_dtypes(eqn: Any, widened: dict[Any, str] | None = None) -> tuple[str, ...]:
+    """The dtypes of ``eqn``'s operands; with ``widened`` (:func:`widened_from_half`), an
+    operand widened exactly from half precision counts as half."""
+    widened = widened or {}
+    return tuple(widened.get(v, str(v.aval.dtype)) for v in eqn.invars)
 
 
 def compute_op_dtypes(fn, *args, **kwargs) -> collections.Counter:
     """Count matmuls/convolutions in ``make_jaxpr(fn)`` by (primitive, lhs dtype, in amp_stop)."""
     closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    widened = widened_from_half(closed)
     counts: collections.Counter = collections.Counter()
     for eqn, scopes in walk(closed):
         if eqn.primitive.name in COMPUTE_PRIMS:
-            counts[(eqn.primitive.name, operand_dtypes(eqn)[0], "amp_stop" in scopes)] += 1
+            counts[(eqn.primitive.name, operand_dtypes(eqn, widened)[0], "amp_stop" in scopes)] += 1
     return counts
 
 
 def float32_compute_ops_outside_stop(fn, *args, **kwargs) -> int:
     """How many matmuls/convolutions outside ``amp_stop`` have a float32 operand."""
     closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    widened = widened_from_half(closed)
     n = 0
     for eqn, scopes in walk(closed):
         if eqn.primitive.name in COMPUTE_PRIMS and "amp_stop" not in scopes:
-            if any(d == "float32" for d in operand_dtypes(eqn)):
+            if any(d == "float32" for d in operand_dtypes(eqn, widened)):
                 n += 1
     return n
 
