@@ -328,9 +328,9 @@ class Explanation:
                 f"matmuls in float8: {sum(m.count for m in self.float8_matmuls)} "
                 f"(residuals {_fmt_bytes(saved)} smaller than in {self.compute_dtype})"
             )
-            for m in self.float8_matmuls:
-                times = f" x{m.count}" if m.count > 1 else ""
-                lines.append(f"  dot_general {' x '.join(map(str, m.shape))}{times} at {m.source}")
+            for f8 in self.float8_matmuls:
+                times = f" x{f8.count}" if f8.count > 1 else ""
+                lines.append(f"  dot_general {' x '.join(map(str, f8.shape))}{times} at {f8.source}")
         return "\n".join(lines)
 
     def to_markdown(self) -> str:

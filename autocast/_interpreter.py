@@ -209,7 +209,7 @@ def _eval_eqns(
     i = 0
     while i < len(eqns):
         if not island[i]:
-            widen = i in wide and not feeds_recomputed(i)
+            widen = feeds_recomputed is not None and i in wide and not feeds_recomputed(i)
             _eval_eqn(ctx, eqns[i], plan[i], env, read, scopes, widen=widen)
             j = i + 1
         else:

@@ -201,7 +201,7 @@ def use_precision(dtype: Any) -> Rule:
         return _cast_all(invars, idx, target), _with_preferred(params, target)
 
     rule.__name__ = rule.__qualname__ = f"use_precision({target.name})"
-    rule.casts_only = True
+    rule.casts_only = True  # type: ignore[attr-defined]
     return rule
 
 

@@ -92,7 +92,7 @@ def bind(
     half_params = dict(params, preferred_element_type=half)
     out_params = dict(params, preferred_element_type=out_dtype)
     f32 = tuple(float32_cotangent)
-    extra = [arrived[i] for i in f32] if f32 else []
+    extra = [arrived[i] for i in f32] if f32 and arrived is not None else []
 
     def primal(a, b, *_float32_values):
         return _compat.bind(prim, [a, b], out_params)[0]
