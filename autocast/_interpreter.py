@@ -68,33 +68,18 @@ from ._policy import Lookup
 
 # Primitives whose output is only a rearrangement (or a conversion) of their float
 # operands: a value made by them from free values is free too.
-_STRUCTURAL = frozenset(
-    {
-        "broadcast_in_dim",
-        "reshape",
-        "transpose",
-        "squeeze",
-        "expand_dims",
-        "rev",
-        "pad",
-        "concatenate",
-        "split",
-        "slice",
-        "dynamic_slice",
-        "gather",
-        "copy",
-        "copy_p",
-        "convert_element_type",
-        "sharding_constraint",
-        "device_put",
-        "reshard",
-        "select_n",
-        "tile",
-        "broadcast_to",
-        "iota",
-        "stop_gradient",
-    }
-)
+_STRUCTURAL = _plan.LAYOUT | {
+    "broadcast_to",
+    "convert_element_type",
+    "device_put",
+    "gather",
+    "iota",
+    "reshard",
+    "select_n",
+    "sharding_constraint",
+    "stop_gradient",
+    "tile",
+}
 # ... and sums of free values: ``embedding + position`` is still made from parameters only,
 # so a half-precision activation added to it keeps it half (as a bias add would).
 _SUMS = frozenset({"add", "sub", "neg", "add_any"})

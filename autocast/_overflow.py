@@ -24,43 +24,29 @@ import numpy as np
 from . import _compat, _dtypes, _walk
 from ._amp import amp
 from ._explain import _check_fn, _flat
+from ._plan import LAYOUT
 
 _UNDERFLOW_SIGNIFICANCE = 1e-3
 # Primitives that only move, select or reshape their operands: their half-precision result
 # holds values that were already half precision, so they cannot overflow or underflow.
-_REARRANGING = frozenset(
-    {
-        "broadcast_in_dim",
-        "reshape",
-        "transpose",
-        "squeeze",
-        "expand_dims",
-        "rev",
-        "concatenate",
-        "split",
-        "slice",
-        "dynamic_slice",
-        "dynamic_update_slice",
-        "gather",
-        "copy",
-        "copy_p",
-        "select_n",
-        "stop_gradient",
-        "max",
-        "min",
-        "reduce_max",
-        "reduce_min",
-        "neg",
-        "abs",
-        "sign",
-        "sharding_constraint",
-        "device_put",
-        "reshard",
-        "pad",
-        "argmax",
-        "argmin",
-    }
-)
+_REARRANGING = LAYOUT | {
+    "abs",
+    "argmax",
+    "argmin",
+    "device_put",
+    "dynamic_update_slice",
+    "gather",
+    "max",
+    "min",
+    "neg",
+    "reduce_max",
+    "reduce_min",
+    "reshard",
+    "select_n",
+    "sharding_constraint",
+    "sign",
+    "stop_gradient",
+}
 
 
 @dataclasses.dataclass(frozen=True)

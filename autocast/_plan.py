@@ -10,73 +10,62 @@ from typing import Any, NamedTuple
 from . import _compat, _dtypes, _registry, _rules, _wide
 from ._policy import AMP_STOP
 
+LAYOUT = frozenset(
+    {
+        "broadcast_in_dim",
+        "concatenate",
+        "copy",
+        "copy_p",
+        "dynamic_slice",
+        "expand_dims",
+        "pad",
+        "reshape",
+        "rev",
+        "slice",
+        "split",
+        "squeeze",
+        "transpose",
+    }
+)
+"""Data movement: primitives that only move or reshape their operands' values."""
+
 # Primitives whose JVP needs none of their operands (linear in every float operand):
 # an island made only of these (and of products with literals) would save nothing, so it
 # is evaluated without a checkpoint.
-LINEAR = frozenset(
-    {
-        "add",
-        "sub",
-        "neg",
-        "reduce_sum",
-        "cumsum",
-        "reduce_window_sum",
-        "broadcast_in_dim",
-        "reshape",
-        "transpose",
-        "squeeze",
-        "expand_dims",
-        "rev",
-        "pad",
-        "concatenate",
-        "split",
-        "slice",
-        "dynamic_slice",
-        "copy",
-        "copy_p",
-        "convert_element_type",
-        "select_n",
-        "stop_gradient",
-        "add_any",
-        "real",
-        "imag",
-        "conj",
-        "psum",
-    }
-)
+LINEAR = LAYOUT | {
+    "add",
+    "add_any",
+    "conj",
+    "convert_element_type",
+    "cumsum",
+    "imag",
+    "neg",
+    "psum",
+    "real",
+    "reduce_sum",
+    "reduce_window_sum",
+    "select_n",
+    "stop_gradient",
+    "sub",
+}
 STOP, HIGHER, RULE = "stop", "higher", "rule"
 
 # Operations that commute with rounding to a narrower float dtype: ``op(round(x)) ==
 # round(op(x))`` for any operand values (rounding is monotone and symmetric; these only
 # move, select or compare values). A float32 value that reaches a half-precision consumer
 # only through them can be rounded first: they then run in half precision, same values.
-COMMUTES_WITH_ROUNDING = frozenset(
-    {
-        "max",
-        "min",
-        "neg",
-        "abs",
-        "select_n",
-        "reduce_max",
-        "reduce_min",
-        "broadcast_in_dim",
-        "reshape",
-        "transpose",
-        "squeeze",
-        "expand_dims",
-        "rev",
-        "pad",
-        "concatenate",
-        "split",
-        "slice",
-        "dynamic_slice",
-        "gather",
-        "copy",
-        "copy_p",
-        "sharding_constraint",
-        "stop_gradient",
-    }
-)
+COMMUTES_WITH_ROUNDING = LAYOUT | {
+    "abs",
+    "gather",
+    "max",
+    "min",
+    "neg",
+    "reduce_max",
+    "reduce_min",
+    "select_n",
+    "sharding_constraint",
+    "stop_gradient",
+}
 
 
 class Plan(NamedTuple):
