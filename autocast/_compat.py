@@ -80,6 +80,8 @@ def bind(prim: Primitive, invals: Sequence[Any], params: dict[str, Any]) -> list
 
 
 _MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+WIDENED_SCOPE = "autocast_widened_for_backend"
+"""The named scope of the converts :func:`half_matmul_operands` inserts."""
 
 
 @functools.cache
@@ -121,7 +123,8 @@ def half_matmul_operands(invals: Sequence[Any], preferred: Any) -> Sequence[Any]
     (name,) = names
     if _float32_result_supported(name, jax.default_backend()):
         return invals
-    return [jax.lax.convert_element_type(x, "float32") for x in invals]
+    with jax.named_scope(WIDENED_SCOPE):  # marks the converts in jaxprs (explain, tests)
+        return [jax.lax.convert_element_type(x, "float32") for x in invals]
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:

@@ -10,6 +10,8 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
+from autocast._compat import WIDENED_SCOPE
+
 COMPUTE_PRIMS = ("dot_general", "conv_general_dilated")
 
 
@@ -36,12 +38,12 @@ def _jaxprs_in_params(params: dict) -> Iterator[Any]:
 
 
 def widened_from_half(jaxpr: Any) -> dict[Any, str]:
-    """Vars that a ``convert_element_type`` widened from float16/bfloat16 to float32, with
-    the half dtype, followed into the bodies of nested calls and loops (a body's input that
-    receives such a value counts too). Where the backend lacks a half x half -> float32
-    matmul kernel for every layout (XLA:CPU and bfloat16), ``amp`` widens such a matmul's
-    operands exactly (``_compat.half_matmul_operands``): the matmul still reads
-    half-precision values."""
+    """Vars that ``amp`` widened from float16/bfloat16 to float32 only because the backend
+    lacks a half x half -> float32 matmul kernel for every layout (XLA:CPU and bfloat16;
+    ``_compat.half_matmul_operands``, whose converts carry the scope
+    ``_compat.WIDENED_SCOPE``), with the half dtype, followed into the bodies of nested calls
+    and loops (a body's input that receives such a value counts too): the matmul still
+    reads half-precision values."""
     found: dict[Any, str] = {}
 
     def visit(jaxpr: Any) -> None:
@@ -49,6 +51,7 @@ def widened_from_half(jaxpr: Any) -> dict[Any, str]:
         for e in jaxpr.eqns:
             if (
                 e.primitive.name == "convert_element_type"
+                and WIDENED_SCOPE in _scopes(e)
                 and str(e.invars[0].aval.dtype) in ("float16", "bfloat16")
                 and str(e.outvars[0].aval.dtype) == "float32"
             ):
@@ -74,7 +77,9 @@ def operand_dtypes(eqn: Any, widened: dict[Any, str] | None = None) -> tuple[str
     """The dtypes of ``eqn``'s operands; with ``widened`` (:func:`widened_from_half`), an
     operand widened exactly from half precision counts as half."""
     widened = widened or {}
-    return tuple(widened.get(v, str(v.aval.dtype)) for v in eqn.invars)
+    return tuple(
+        str(v.aval.dtype) if isinstance(v, jex.Literal) else widened.get(v, str(v.aval.dtype)) for v in eqn.invars
+    )
 
 
 def compute_op_dtypes(fn, *args, **kwargs) -> collections.Counter:
