@@ -24,29 +24,12 @@ import numpy as np
 from . import _compat, _dtypes, _walk
 from ._amp import amp
 from ._explain import _check_fn, _flat
-from ._plan import LAYOUT
+from ._plan import COMMUTES_WITH_ROUNDING
 
 _UNDERFLOW_SIGNIFICANCE = 1e-3
 # Primitives that only move, select or reshape their operands: their half-precision result
 # holds values that were already half precision, so they cannot overflow or underflow.
-_REARRANGING = LAYOUT | {
-    "abs",
-    "argmax",
-    "argmin",
-    "device_put",
-    "dynamic_update_slice",
-    "gather",
-    "max",
-    "min",
-    "neg",
-    "reduce_max",
-    "reduce_min",
-    "reshard",
-    "select_n",
-    "sharding_constraint",
-    "sign",
-    "stop_gradient",
-}
+_REARRANGING = COMMUTES_WITH_ROUNDING | {"argmax", "argmin", "device_put", "dynamic_update_slice", "reshard", "sign"}
 
 
 @dataclasses.dataclass(frozen=True)

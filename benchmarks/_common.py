@@ -6,6 +6,7 @@ backend is read from ``jax.devices()``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -308,3 +309,16 @@ def fmt_bytes(n: float | None) -> str:
 def is_half(dtype: Any) -> bool:
     """Whether ``dtype`` is float16 or bfloat16."""
     return jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+@contextlib.contextmanager
+def mpx_half_dtype(dtype):
+    """MPX's global half-precision dtype set to ``dtype`` inside the block, restored after."""
+    import mpx
+
+    old = mpx.half_precision_datatype()
+    mpx.set_half_precision_datatype(dtype)
+    try:
+        yield
+    finally:
+        mpx.set_half_precision_datatype(old)

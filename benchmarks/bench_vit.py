@@ -199,18 +199,6 @@ def _autocast(static, opt, dtype, remat: bool = True) -> System:
     return System(name, label, step, loss, scaler)
 
 
-@contextlib.contextmanager
-def _mpx_dtype(dtype):
-    import mpx
-
-    old = mpx.half_precision_datatype()
-    mpx.set_half_precision_datatype(dtype)
-    try:
-        yield
-    finally:
-        mpx.set_half_precision_datatype(old)
-
-
 def _mpx_package(static, opt, dtype) -> System:
     import mpx
 
@@ -240,7 +228,7 @@ def _mpx_package(static, opt, dtype) -> System:
         step,
         loss,
         scaler,
-        functools.partial(_mpx_dtype, dtype),
+        functools.partial(C.mpx_half_dtype, dtype),
     )
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -240,19 +241,10 @@ def build_system(name: str, task: Task, static: Any, opt: Any) -> System:
             model, opt_state = mpx.optimizer_update(model, opt, opt_state, grads, finite)
             return eqx.filter(model, eqx.is_array), opt_state, scaler, loss, eqx.filter(grads, eqx.is_array)
 
-        @contextlib.contextmanager
-        def bf16():
-            old = mpx.half_precision_datatype()
-            mpx.set_half_precision_datatype(BF16)
-            try:
-                yield
-            finally:
-                mpx.set_half_precision_datatype(old)
-
         scaler = mpx.DynamicLossScaling(
             loss_scaling=jnp.asarray(2.0**15, F32), min_loss_scaling=jnp.asarray(1.0, F32), period=2000
         )
-        return System(name, step, scaler, bf16)
+        return System(name, step, scaler, functools.partial(C.mpx_half_dtype, BF16))
     raise ValueError(f"system {name!r} unknown; allowed: {list(SYSTEMS)}")
 
 

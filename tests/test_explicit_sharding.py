@@ -85,14 +85,20 @@ def test_data_parallel_and_fsdp_on_an_explicit_mesh(mesh1d, layout):
         assert {d for k, d in weight_collectives if k == "all-gather"} == {"f16"}, collectives(hlo)
 
 
-def test_tensor_parallel_with_out_sharding_and_reshard(mesh2d):
+def _tensor_parallel_inputs(mesh2d):
+    """The MLP's weights sharded over "model" (columns, then rows), the batch over "data"."""
     params, x = _init()
     with jax.set_mesh(mesh2d):
         params = {
             "w1": _put(mesh2d, params["w1"], P(None, "model")),
             "w2": _put(mesh2d, params["w2"], P("model", None)),
         }
-        x = _put(mesh2d, x, P("data", None))
+        return params, _put(mesh2d, x, P("data", None))
+
+
+def test_tensor_parallel_with_out_sharding_and_reshard(mesh2d):
+    params, x = _tensor_parallel_inputs(mesh2d)
+    with jax.set_mesh(mesh2d):
         hlo = _check_against_float32(tensor_parallel, params, x)
         f = autocast.amp(tensor_parallel)
         counts = compute_op_dtypes(f, params, x)
@@ -106,13 +112,8 @@ def test_tensor_parallel_with_out_sharding_and_reshard(mesh2d):
 
 
 def test_amp_output_shardings_follow_the_function(mesh2d):
-    params, x = _init()
+    params, x = _tensor_parallel_inputs(mesh2d)
     with jax.set_mesh(mesh2d):
-        params = {
-            "w1": _put(mesh2d, params["w1"], P(None, "model")),
-            "w2": _put(mesh2d, params["w2"], P("model", None)),
-        }
-        x = _put(mesh2d, x, P("data", None))
 
         def hidden(params, x):
             return jnp.einsum("bd,dh->bh", x, params["w1"], out_sharding=P("data", "model"))
