@@ -536,3 +536,57 @@ _ad.primitive_jvps[tangent_product_p] = _tp_jvp
 _ad.primitive_transposes[tangent_product_p] = _tp_transpose
 _batching.primitive_batchers[tangent_product_p] = _tp_batch
 _mlir.register_lowering(tangent_product_p, _mlir.lower_fun(_tp_impl, multiple_results=False))
+
+
+# --- hijax: higher-order primitives as one ``call_hi_primitive`` equation --------------------
+#
+# JAX 0.12 moves checkpoint, custom_jvp, custom_vjp and scan to "hijax" encodings behind
+# upgrade flags (``jax_remat3``, ``jax_custom_jvp3``, ``jax_custom_vjp3``, ``jax_scan3``;
+# ``jnp.searchsorted`` and a few others use one without a flag). Such a construct is a single
+# ``call_hi_primitive`` equation whose ``params["_prim"]`` is a ``HiPrim`` object holding the
+# body: ``.params["jaxpr"]`` (``RematTraced``, ``Scan3``) or ``.params["traced"].jaxpr``
+# (``CustomJVPTraced``, ``CustomVJPTraced``). Detected by the classes' presence, never by
+# version; on a JAX without hijax every name below is None and nothing takes this path.
+
+
+def _class(module: str, name: str) -> type | None:
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+call_hi_primitive_p = _find("call_hi_primitive_p", "jax._src.hijax")
+HiPrim = _class("jax._src.hijax", "HiPrim")
+RematTraced = _class("jax._src.ad_checkpoint", "RematTraced")
+CustomJVPTraced = _class("jax._src.hijax", "CustomJVPTraced")
+CustomVJPTraced = _class("jax._src.hijax", "CustomVJPTraced")
+Scan3 = _class("jax._src.lax.control_flow.loops", "Scan3")
+
+
+def hi_prim(eqn: Any) -> Any | None:
+    """The ``HiPrim`` object of a ``call_hi_primitive`` equation, else None."""
+    if call_hi_primitive_p is None or eqn.primitive is not call_hi_primitive_p:
+        return None
+    return eqn.params.get("_prim")
+
+
+def hi_bodies(eqn: Any) -> list[Any]:
+    """The jaxprs a ``call_hi_primitive`` equation holds (its body; [] for an opaque one such
+    as ``SearchSorted``, or for any other equation)."""
+    prim = hi_prim(eqn)
+    if prim is None:
+        return []
+    params = getattr(prim, "params", {}) or {}
+    out = []
+    for val in params.values():
+        body = getattr(val, "jaxpr", val)  # a ``stages.Traced`` (custom rules) holds .jaxpr
+        if is_jaxpr_like(body):
+            out.append(body)
+    return out
+
+
+def hi_name(eqn: Any) -> str | None:
+    """``RematTraced``, ``CustomJVPTraced``, ... for a ``call_hi_primitive`` equation."""
+    prim = hi_prim(eqn)
+    return None if prim is None else type(prim).__name__
