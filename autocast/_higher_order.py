@@ -91,7 +91,9 @@ def _call_like(param: str) -> Handler:
             # a checkpoint that may save matmul results: keep them in half precision
             ctx = ctx.without_widening()
         in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
-        new, extra, out_free = transform_jaxpr(ctx, params[param], in_dtypes, in_free, scopes, out_float32=out32)
+        new, extra, out_free = transform_jaxpr(
+            ctx, params[param], in_dtypes, in_free, scopes, out_float32=out32, out_narrow=ctx.out_narrow
+        )
         params[param] = new
         outs = _compat.bind(eqn.primitive, [*extra, *invals], params)
         return outs, out_free

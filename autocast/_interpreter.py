@@ -57,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -121,6 +121,15 @@ class Context:
         # (after it; ``arrived``/``bound``: operands before/after the rule; ``island``: None, or
         # ``(marker, recomputed)`` shared by the equations of one float32 island).
         self.observer: Any = None
+        # For the handler of a call (``jit``, ``checkpoint``) only: which of its outputs every
+        # consumer reads in the compute dtype (see ``_plan.plan``); its body narrows them.
+        self.out_narrow: Sequence[bool] | None = None
+
+    def narrowing(self, out_narrow: Sequence[bool] | None) -> Context:
+        """This context (same caches), telling a call's handler which outputs to narrow."""
+        other = copy.copy(self)
+        other.out_narrow = out_narrow
+        return other
 
     def without_widening(self) -> Context:
         """This context (same caches), with ``widen`` off."""
@@ -145,6 +154,7 @@ def eval_jaxpr(
     free: Sequence[bool],
     scopes: tuple[str, ...],
     out_float32: Sequence[bool] | None = None,
+    out_narrow: Sequence[bool] | None = None,
 ) -> tuple[list[Any], list[bool]]:
     """Evaluate an open jaxpr under ``ctx``; returns the outputs and their free flags.
 
@@ -162,7 +172,9 @@ def eval_jaxpr(
     for var, val, is_const in _compat.bind_inputs(jaxpr, consts, args):
         env[var] = (val, True if is_const else next(free_it))
 
-    plan, island, narrow, wide = _plan.plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars))
+    if ctx.out_narrow is not None:  # meant for the handler that called us, not nested calls
+        ctx = ctx.narrowing(None)
+    plan, island, narrow, wide = _plan.plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars), out_narrow)
     with _dtypes.memoised_casts():
         _eval_eqns(ctx, jaxpr, plan, island, narrow, wide if ctx.widen else {}, env, read, scopes)
     results = [read(v) for v in jaxpr.outvars]
@@ -314,14 +326,15 @@ def _eval_eqn(
             outs = _bind_original(eqn, invals)
             out_free = [False] * len(outs)
         elif kind == _plan.HIGHER:
-            handler, out32, pulls = rule
+            handler, out32, pulls, outn = rule
             # operands the bodies consume only in float32: cast once, here, so every
             # float32 consumer of the value (inside and outside) reads the same value
             invals = [
                 _dtypes.cast(x, _dtypes.FLOAT32) if p and _dtypes.is_castable(v.aval.dtype) else x
                 for x, p, v in zip(invals, pulls, eqn.invars)
             ]
-            outs, out_free = handler(ctx, eqn, invals, in_free, eqn_scopes, out32)
+            hctx = ctx.narrowing(outn) if any(outn) else ctx
+            outs, out_free = handler(hctx, eqn, invals, in_free, eqn_scopes, out32)
         else:
             outs, out_free, bound = _apply_rule(ctx, eqn, rule, invals, in_free, widen)
     if ctx.observer is not None:
@@ -451,12 +464,14 @@ def transform_jaxpr(
     scopes: tuple[str, ...],
     out_dtypes: Sequence[Any | None] | None = None,
     out_float32: Sequence[bool] | None = None,
+    out_narrow: Sequence[bool] | None = None,
 ) -> tuple[Any, list[Any], list[bool]]:
     """Transform a (closed or open) jaxpr for operands of ``in_dtypes``.
 
     Outputs are cast to ``out_dtypes`` where given (``None`` entries: any dtype);
     ``out_float32[i]`` says output ``i`` is consumed only in float32 (default: the outputs
-    cast to float32). Returns ``(new, extra_consts, out_free)``: a closed jaxpr comes back
+    cast to float32); ``out_narrow[i]`` that every consumer reads output ``i`` in the compute
+    dtype (a float32 result is then rounded where it is made). Returns ``(new, extra_consts, out_free)``: a closed jaxpr comes back
     closed with ``extra_consts == []``; an open one comes back open, with any constants it
     needs turned into leading invars and returned as ``extra_consts`` (to be passed as
     leading operands). ``out_free`` tells which outputs are free values.
@@ -469,6 +484,7 @@ def transform_jaxpr(
         scopes,
         None if out_dtypes is None else tuple(map(str, out_dtypes)),
         None if out_float32 is None else tuple(map(bool, out_float32)),
+        None if out_narrow is None else tuple(map(bool, out_narrow)),
     )
 
     def build():
@@ -477,7 +493,7 @@ def transform_jaxpr(
         out_free: list[bool] = []
 
         def fun(*args):
-            outs, free = eval_jaxpr(ctx, open_, consts, args, in_free, scopes, out_float32)
+            outs, free = eval_jaxpr(ctx, open_, consts, args, in_free, scopes, out_float32, out_narrow)
             if out_dtypes is not None:
                 outs = [x if d is None else _dtypes.cast(x, d) for x, d in zip(outs, out_dtypes)]
             out_free[:] = free
@@ -625,21 +641,42 @@ def _bind_broadcast_in_float32(
     return _compat.checkpoint(bind)(*ops)
 
 
+def _describe(x: Any) -> str:
+    """``a tuple of 2 arrays (float16[3], float16[3])``: what a rule returned, for errors."""
+    if isinstance(x, (tuple, list)):
+        inner = ", ".join(_describe_leaf(v) for v in x[:4]) + (", ..." if len(x) > 4 else "")
+        return f"a {type(x).__name__} of {len(x)} ({inner})"
+    return _describe_leaf(x)
+
+
+def _describe_leaf(v: Any) -> str:
+    if hasattr(v, "shape") and hasattr(v, "dtype"):
+        return f"array {np.dtype(v.dtype).name}{list(v.shape)}"
+    return type(v).__name__
+
+
+def _all_arrays(x: Sequence[Any]) -> bool:
+    return all(hasattr(v, "shape") and hasattr(v, "dtype") for v in x)
+
+
 def _check_rule_result(result: Any, prim: Any, rule: Any, invals: Sequence[Any], orig: Sequence[Any]):
     where = f"rule {_rule_name(rule)} for primitive '{prim.name}'"
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise TypeError(f"{where} must return a pair (invars, params), got {type(result).__name__}.")
+    expected = (
+        "expected the pair (operands, params): the operands as a list or tuple, one per operand in order, "
+        "and the params as a dict (unchanged: the **params the rule was called with)"
+    )
+    pair = isinstance(result, (tuple, list)) and len(result) == 2
+    if not pair or not isinstance(result[0], (tuple, list)) or not isinstance(result[1], Mapping):
+        lone = isinstance(result, (tuple, list)) and bool(result) and _all_arrays(result)
+        hint = " (it looks like the operands alone)" if lone else ""
+        raise TypeError(f"{where} returned {_describe(result)}{hint}; {expected}.")
     new_invals, params = result
     new_invals = list(new_invals)
     if len(new_invals) != len(invals):
         raise ValueError(
             f"{where} returned {len(new_invals)} operands; expected {len(invals)} (one per operand, in order)."
         )
-    if not isinstance(params, dict):
-        try:
-            params = dict(params)
-        except (TypeError, ValueError):
-            raise TypeError(f"{where} returned params of type {type(params).__name__}; expected a dict.") from None
+    params = dict(params)
     for i, (new, old, o) in enumerate(zip(new_invals, invals, orig)):
         new_dt, old_dt = _dtype_or_none(new), _dtype_or_none(old)
         if _dtypes.is_castable(o):

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import equinox as eqx
+import jax
 import optax
 
 from ._loss_scale import _as_flag, select_tree
@@ -67,9 +68,37 @@ def optimizer_update(
     """
     finite = _as_flag(grads_finite, "optimizer_update: `grads_finite`")
     params = eqx.filter(model, eqx.is_inexact_array)
+    _check_same_structure(grads, params)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_model = eqx.apply_updates(model, updates)
     return (
         select_tree(finite, new_model, model),
         select_tree(finite, new_opt_state, opt_state),
     )
+
+
+def _check_same_structure(grads: Any, params: Any) -> None:
+    """A clear error for gradients whose pytree structure is not the model's (a raw pytree
+    error from inside optax otherwise)."""
+    got: Any = jax.tree.structure(grads)
+    want: Any = jax.tree.structure(params)
+    if got == want:
+        return
+    paths = lambda tree: {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}  # noqa: E731
+    g, p = paths(grads), paths(params)
+    diff = []
+    if p - g:
+        diff.append(f"missing from `grads`: {', '.join(sorted(p - g)[:8])}")
+    if g - p:
+        diff.append(f"not in the model: {', '.join(sorted(g - p)[:8])}")
+    detail = f" ({'; '.join(diff)})" if diff else ""
+    raise ValueError(
+        "optimizer_update: `grads` must have the structure of the model's inexact arrays "
+        f"(`eqx.filter(model, eqx.is_inexact_array)`, what `dynamic_scale_grad(..., filter=True)` returns){detail}.\n"
+        f"  grads: {_short(got)}\n  model: {_short(want)}"
+    )
+
+
+def _short(treedef: Any, limit: int = 400) -> str:
+    text = str(treedef)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -75,7 +75,9 @@ class Plan(NamedTuple):
     wide: dict
 
 
-def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> Plan:
+def plan(
+    ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool], out_narrow: Sequence[bool] | None = None
+) -> Plan:
     """For each equation: how it is evaluated, with which rule, and whether it computes in
     float32 (such equations are evaluated inside ``jax.checkpoint`` islands when
     ``ctx.remat``: their float32 results are recomputed in the backward pass from the
@@ -87,13 +89,16 @@ def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bo
     from the half-precision logits in float32 instead of being rounded to half first.
 
     A higher-order equation (``jit``, ``scan``, ``custom_jvp_call``, ...) gets the step
-    ``(HIGHER, (handler, out_float32, pulls))``: which of its outputs are consumed only in
-    float32 (its bodies then compute them in float32 too), and which operands its bodies
-    consume only in float32 (from the primitive's pull rule; the interpreter casts those
-    once, outside, and the outer plan counts the equation as a float32 consumer of them).
+    ``(HIGHER, (handler, out_float32, pulls, out_narrow))``: which of its outputs are
+    consumed only in float32 (its bodies then compute them in float32 too), which operands
+    its bodies consume only in float32 (from the primitive's pull rule; the interpreter casts
+    those once, outside, and the outer plan counts the equation as a float32 consumer of
+    them), and which of its outputs every consumer reads in the compute dtype (a call's body
+    then narrows them where they are made: ``elu``'s ``jit``).
 
     The third result is the set of vars to *narrow*: float vars that every consumer reads
-    in the compute dtype, directly (a matmul, a convolution) or through operations that
+    in the compute dtype (``out_narrow``: the outputs of ``jaxpr`` that its caller's
+    consumers read so), directly (a matmul, a convolution) or through operations that
     commute with rounding (``relu``, data movement; see :func:`narrow_inputs`). A float32
     value such a var holds (a norm's result) is rounded where it is made, so ``relu``
     between a BatchNorm and a convolution runs, and keeps its residual, in half precision.
@@ -103,7 +108,7 @@ def plan(ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bo
     a float32 result (:mod:`autocast._wide`) instead of rounding it to half precision for
     nothing.
     """
-    steps, island, wants32, narrow = _plan(ctx, jaxpr, scopes, out_float32)
+    steps, island, wants32, narrow = _plan(ctx, jaxpr, scopes, out_float32, out_narrow)
     return Plan(steps, island, narrow, _wide_matmuls(jaxpr, steps, wants32))
 
 
@@ -173,7 +178,10 @@ def _plan(
             pulls = True
         elif kind == RULE and rule is _rules.use_input_precision:
             float_outs = [v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype)]
-            if float_outs and all(wants32.get(v, False) for v in float_outs):
+            # (a ``select_n`` is exact in any dtype: it stays in the dtype its operands arrive
+            # in and its float32 readers cast its result, so a ``where`` on a half activation
+            # before ``expm1`` (``elu``) hands a half value, not a float32 copy, to the island)
+            if float_outs and all(wants32.get(v, False) for v in float_outs) and eqn.primitive.name != "select_n":
                 pulls = True
                 steps[i] = (RULE, _rules.use_float32_precision)
             elif any(v in f32_made for v in eqn.invars if not isinstance(v, _compat.Literal)):
@@ -184,6 +192,9 @@ def _plan(
             wants32[v] = wants32.get(v, True) and pulls
 
     narrow = _narrowed(ctx, jaxpr, steps, scopes, out_narrow) if ctx.compute_dtype != _dtypes.FLOAT32 else set()
+    for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, steps)):
+        if kind == HIGHER:
+            steps[i] = (HIGHER, (*rule, [v in narrow for v in eqn.outvars]))
 
     # Forward again: which equations compute in float32 (rematerialisation islands).
     island = [False] * len(steps)

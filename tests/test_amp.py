@@ -178,8 +178,20 @@ def test_rule_changing_an_integer_operand_is_a_clear_error():
 
 
 def test_rule_returning_non_pair_is_a_clear_error():
-    with pytest.raises(TypeError, match=r"must return a pair \(invars, params\)"):
+    with pytest.raises(TypeError, match=r"returned NoneType; expected the pair \(operands, params\)"):
         amp(_f, amp_policy={jax.lax.tanh_p: lambda *a, **k: None})(W, X)
+
+
+@pytest.mark.parametrize("prim", [jax.lax.tanh_p, jax.lax.dot_general_p], ids=["one_operand", "two_operands"])
+def test_rule_returning_operands_alone_says_what_was_expected(prim):
+    """A rule that returns its operands without the params (one operand or two: a pair of
+    arrays looks like ``(operands, params)`` at first sight) names what it returned."""
+
+    def operands_only(compute_dtype, original_dtypes, *invars, **params):
+        return tuple(x.astype(compute_dtype) for x in invars)
+
+    with pytest.raises(TypeError, match=r"it looks like the operands alone\); expected the pair \(operands, params\)"):
+        amp(_f, amp_policy={prim: operands_only})(W, X)
 
 
 @pytest.mark.parametrize("bad_key", [3, jnp.tanh, ("dot_general",)])

@@ -26,7 +26,11 @@ HALF = [jnp.float16, jnp.bfloat16]
 # amp vs float32 gradients of these small functions (float16 operands of size ~1): measured
 # <= 2e-3 in float16; bfloat16 has 8 bits of mantissa: measured <= 1.5e-2.
 TOL = {jnp.float16: 1e-2, jnp.bfloat16: 5e-2}
-ACTIVATIONS = {"relu": jax.nn.relu, "relu6": jax.nn.relu6, "softplus": jax.nn.softplus, "mish": jax.nn.mish}
+# every jax.nn activation of one array (elu, selu, celu: a jit whose expm1 ran in float32 and
+# kept float32 residuals until its output was narrowed where made)
+_NAMES = "relu relu6 softplus mish elu selu celu gelu silu leaky_relu sigmoid log_sigmoid hard_tanh hard_sigmoid"
+_NAMES += " hard_silu soft_sign squareplus sparse_plus tanh"
+ACTIVATIONS = {name: getattr(jax.nn, name) for name in _NAMES.split() if hasattr(jax.nn, name)}
 
 
 def _wx(seed=0, n=64, m=16, k=32):

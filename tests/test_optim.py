@@ -219,3 +219,19 @@ def test_multisteps_with_a_changing_scale():
         w, opt_state = _update(w, optim, opt_state, grads, scaler.grads_finite)
     assert float(scaler.scaler) == 2.0**6
     np.testing.assert_array_equal(w, 1.0 - (xs[0] + xs[1]) / 2)
+
+
+def test_grads_of_another_structure_name_the_argument_and_both_structures():
+    params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+    optim = optax.adam(1e-3)
+    opt_state = optim.init(params)
+    with pytest.raises(ValueError, match=r"`grads` must have the structure.*missing from `grads`: \['b'\]") as info:
+        optimizer_update(params, optim, opt_state, {"w": jnp.ones((2, 2))}, jnp.array(True))
+    assert "grads: PyTreeDef({'w': *})" in str(info.value)
+    assert "model: PyTreeDef({'b': *, 'w': *})" in str(info.value)
+    # an Equinox model and the gradients of another one
+    model = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))
+    other = eqx.filter(eqx.nn.MLP(2, 2, 4, 2, key=jax.random.key(0)), eqx.is_inexact_array)
+    opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
+    with pytest.raises(ValueError, match=r"not in the model: .*layers\[2\]"):
+        optimizer_update(model, optim, opt_state, other, jnp.array(True))
