@@ -19,7 +19,12 @@ _NOT_BODIES = ("reduce", "scatter", "select_and", "sort", "argsort")
 
 
 # ``call_hi_primitive`` encodings (JAX's upgrade flags) by what they are.
-_HI_KINDS = {"RematTraced": "checkpoint", "CustomJVPTraced": "custom_jvp", "CustomVJPTraced": "custom_vjp", "Scan3": "scan"}
+_HI_KINDS = {
+    "RematTraced": "checkpoint",
+    "CustomJVPTraced": "custom_jvp",
+    "CustomVJPTraced": "custom_vjp",
+    "Scan3": "scan",
+}
 _KINDS = {"custom_jvp_call": "custom_jvp", "custom_vjp_call": "custom_vjp", "custom_vjp_call_jaxpr": "custom_vjp"}
 
 
