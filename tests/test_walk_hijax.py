@@ -31,8 +31,15 @@ CONSTRUCTS = {
 ENCODINGS = ["classic", *(f for f in CONSTRUCTS if _compat.has_flag(f))]
 
 
-def _encoding(flag: str) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext() if flag == "classic" else _compat.with_flag(flag)
+@contextlib.contextmanager
+def _encoding(flag: str):
+    """Only ``flag`` on (none for ``classic``), whatever the environment sets (the lane
+    ``nextjax`` turns several on)."""
+    with contextlib.ExitStack() as stack:
+        for name in CONSTRUCTS:
+            if _compat.has_flag(name):
+                stack.enter_context(_compat.with_flag(name, name == flag))
+        yield
 
 
 def _wx(seed: int = 0, n: int = 4, d: int = 16):
