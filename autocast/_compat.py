@@ -590,3 +590,63 @@ def hi_name(eqn: Any) -> str | None:
     """``RematTraced``, ``CustomJVPTraced``, ... for a ``call_hi_primitive`` equation."""
     prim = hi_prim(eqn)
     return None if prim is None else type(prim).__name__
+
+
+def hi_param(eqn: Any, key: str, default: Any = None) -> Any:
+    """A parameter of a ``call_hi_primitive`` equation's ``HiPrim`` (``Scan3``'s ``length``,
+    ``extensives``, ...), else ``default``."""
+    prim = hi_prim(eqn)
+    params = getattr(prim, "params", None) or {}
+    return params.get(key, default)
+
+
+def fun_name(eqn: Any) -> str | None:
+    """The user function a custom-derivative equation wraps (``relu``), in either encoding:
+    the ``Traced`` of ``CustomJVPTraced``/``CustomVJPTraced``, or the ``call_jaxpr``'s debug
+    info of ``custom_jvp_call``/``custom_vjp_call``."""
+    traced = hi_param(eqn, "traced")
+    if traced is not None:
+        return getattr(traced, "fun_name", None)
+    body = eqn.params.get("call_jaxpr")
+    info = getattr(getattr(body, "jaxpr", body), "debug_info", None)
+    return getattr(info, "func_name", None)
+
+
+# --- upgrade flags: the encodings JAX moves to (``jax_remat3``, ...) ----------------------
+
+HIJAX_FLAGS = ("remat3", "custom_jvp3", "custom_vjp3", "scan3", "softmax_custom_jvp")
+
+
+def _flag_state(name: str) -> Any | None:
+    from jax._src import config as _config  # the flags' State objects live only here
+
+    return getattr(_config, name, None)
+
+
+def has_flag(name: str) -> bool:
+    """Whether this JAX has the upgrade flag ``jax_<name>`` (``remat3``, ``scan3``, ...)."""
+    return _flag_state(name) is not None
+
+
+def flag_on(name: str) -> bool:
+    """The current value of the upgrade flag ``jax_<name>`` (False where JAX lacks it)."""
+    state = _flag_state(name)
+    return bool(state is not None and state.value)
+
+
+def with_flag(name: str, value: bool = True) -> contextlib.AbstractContextManager:
+    """A context manager that sets ``jax_<name>`` for what is traced (on JAX 0.9, for what is
+    decorated: define the function inside). Raises ``ValueError`` where JAX lacks the flag."""
+    state = _flag_state(name)
+    if state is None:
+        raise ValueError(f"with_flag(name={name!r}): this JAX ({jax.__version__}) has no flag jax_{name}")
+    return state(value)
+
+
+_AbstractRef = _class("jax._src.state.types", "AbstractRef")
+
+
+def is_ref(aval: Any) -> bool:
+    """Whether ``aval`` is a mutable ``Ref`` (``Scan3`` carries; reading or writing it
+    again would change state)."""
+    return _AbstractRef is not None and isinstance(aval, _AbstractRef)

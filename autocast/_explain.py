@@ -67,6 +67,8 @@ class _Record:
     shapes: tuple[tuple[int, ...], ...]
     eqn_id: int = 0
     float8: bool = False
+    site: tuple[int, ...] = ()
+    """ids of the enclosing higher-order equations: one call site of a body."""
 
 
 class _Observer:
@@ -89,21 +91,25 @@ class _Observer:
         self.stack.pop()
         start = self.starts.pop()
         if kind == _plan.HIGHER:
-            if eqn.primitive.name == "cond":  # a branch traced again (to agree on dtypes): keep the last
-                body = self.records[start:]
-                last = {(r.eqn_id, r.path): i for i, r in enumerate(body)}
-                self.records[start:] = [r for i, r in enumerate(body) if last[(r.eqn_id, r.path)] == i]
+            # a body traced again (a cond's branches or a scan's carry to agree on dtypes, a
+            # custom rule's primal): keep the last trace of each equation at each call site
+            body = self.records[start:]
+            last = {(r.eqn_id, r.site): i for i, r in enumerate(body)}
+            self.records[start:] = [r for i, r in enumerate(body) if last[(r.eqn_id, r.site)] == i]
             return
         path = tuple(_walk.label(e) for e in self.stack)
         mult = int(np.prod([_walk.multiplier(e) for e in self.stack], dtype=np.int64))
         if kind == _plan.STOP:  # bound as traced (the interpreter casts inside _bind_original)
             if _walk.bodies(eqn):  # a jit/scan/... inside amp_stop: its body runs as traced
+                site = (*(id(e) for e in self.stack), id(eqn))
                 for sub in _walk.bodies(eqn):
-                    for e, sc, p, m in _walk.walk(
-                        sub, tuple(scopes), (*path, _walk.label(eqn)), mult * _walk.multiplier(eqn)
+                    for k, (e, sc, p, m) in enumerate(
+                        _walk.walk(sub, tuple(scopes), (*path, _walk.label(eqn)), mult * _walk.multiplier(eqn))
                     ):
                         avals = [v.aval for v in e.invars]
                         self._add(e, "original", "amp_stop", sc, p, m, avals, avals, [v.aval for v in e.outvars], None)
+                        # each equation of the walk is its own site (a body may call one function twice)
+                        self.records[-1] = dataclasses.replace(self.records[-1], site=(*site, id(sub), k))
                 return
             avals = [v.aval for v in eqn.invars]
             self._add(eqn, "original", "amp_stop", scopes, path, mult, arrived, avals, outs, island)
@@ -137,6 +143,7 @@ class _Observer:
                 shapes=tuple(tuple(getattr(x, "shape", np.shape(x))) for x in bound),
                 eqn_id=id(eqn),
                 float8=float8,
+                site=tuple(id(e) for e in self.stack),
             )
         )
 
@@ -195,12 +202,17 @@ def _costs(closed: Any) -> tuple[dict[str, int], dict[str, int], int]:
     return flops, inter, casts
 
 
-def _saved(fun: Callable, args: list[Any]) -> dict[str, int]:
+def _saved(fun: Callable, args: list[Any]) -> dict[str, int] | None:
     """Bytes of the residuals ``jax.vjp`` saves, by dtype, as
     ``jax.ad_checkpoint.print_saved_residuals`` lists them: only computed values, not the
-    arguments, constants and literals (already in memory)."""
+    arguments, constants and literals (already in memory). None where JAX cannot
+    differentiate ``fun`` (a forward-only construct such as ``Scan3``)."""
     out: dict[str, int] = {}
-    for aval, where in _compat.saved_residuals(fun, *args):
+    try:
+        residuals = _compat.saved_residuals(fun, *args)
+    except NotImplementedError:
+        return None
+    for aval, where in residuals:
         if where.startswith(("from the argument", "from a constant", "from a literal")):
             continue
         _add(out, str(aval.dtype), _walk.nbytes(aval))
@@ -400,7 +412,9 @@ def _fmt_flops(n: int) -> str:
     return f"{n} FLOP"
 
 
-def _by_dtype(d: dict[str, int], fmt: Callable[[int], str]) -> str:
+def _by_dtype(d: dict[str, int] | None, fmt: Callable[[int], str]) -> str:
+    if d is None:
+        return "n/a"
     if not d:
         return "0"
     return ", ".join(f"{_walk.dtype_name(k)} {fmt(v)}" for k, v in sorted(d.items()))
@@ -440,7 +454,8 @@ def explain(
     :class:`Explanation`: ``print`` it for a table grouped by named scope and primitive
     (count, operand dtypes before → after the rule, result dtype, rule, why), read
     ``.totals`` (matmul FLOPs, intermediate bytes and bytes saved for the backward pass, by
-    dtype, beside the float32 original's; casts inserted; float32 islands) and
+    dtype, beside the float32 original's, the latter None where JAX cannot differentiate
+    ``fn``; casts inserted; float32 islands) and
     ``.float32_matmuls`` (each matmul/convolution not in the compute dtype, with its
     source line), or export ``.to_dict()`` / ``.to_markdown()``.
 
@@ -465,6 +480,7 @@ def explain(
         ctx.observer = observer
         scopes = _compat.scope_names(_compat.current_name_stack())
         transformed = _transform(closed, dtype, policy, scopes, remat_float32, ctx=ctx)
+        ctx.observer = None  # custom rules traced later (by jax.vjp below) are not the program
         flops_amp, inter_amp, casts_amp = _costs(transformed)
         flops_32, inter_32, casts_32 = _costs(closed)
         islands = {id(r.island[0]): r.island[1] for r in observer.records if r.island is not None}

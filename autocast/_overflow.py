@@ -157,6 +157,8 @@ class _Checker:
     def eqn(self, eqn: Any, invals: list, scopes, path, bwd) -> list[Any]:
         prim, params = eqn.primitive, eqn.params
         here = (*path, _walk.label(eqn))
+        if _compat.hi_prim(eqn) is not None:
+            return self.hi(eqn, invals, scopes, here, bwd)
         if prim in (_compat.jit_p, _compat.closed_call_p, _compat.remat_p):
             return self.body(params["jaxpr" if "jaxpr" in params else "call_jaxpr"], invals, scopes, here, bwd)
         if prim in (_compat.custom_jvp_call_p, _compat.custom_vjp_call_p):  # the primal body
@@ -200,13 +202,38 @@ class _Checker:
         ]
         return [*carry, *stacked]
 
+    def hi(self, eqn: Any, invals: list, scopes, path, bwd) -> list[Any]:
+        """A ``call_hi_primitive`` equation (JAX's upgrade flags): checkpoint and custom
+        derivative bodies run in place (the primal body); a ``Scan3`` runs its body once per
+        step, in order, as JAX's own ``Scan3.expand`` does (carries are ``Ref`` operands the
+        body reads and writes); an opaque one (``searchsorted``, ...) is bound as it is."""
+        kind, subs = _walk.kind(eqn), _walk.bodies(eqn)
+        if kind in ("checkpoint", "custom_jvp", "custom_vjp") and len(subs) == 1:
+            return self.body(subs[0], invals, scopes, path, bwd)
+        if kind == "scan" and len(subs) == 1:
+            extensive = _compat.hi_param(eqn, "extensives")
+            steps = [
+                self.body(subs[0], [x[i] if e else x for x, e in zip(invals, extensive)], scopes, path, bwd)
+                for i in range(_walk.multiplier(eqn))
+            ]
+            open_, _ = _compat.open_and_consts(subs[0])
+            return [
+                jnp.stack([s[k] for s in steps]) if steps else jnp.zeros((0, *v.aval.shape), v.aval.dtype)
+                for k, v in enumerate(open_.outvars)
+            ]
+        return _compat.bind(eqn.primitive, invals, dict(eqn.params))
+
     # --- the equation-local float32 reference ---------------------------------------------
 
     def check(self, eqn: Any, invals: list, outs: list, scopes, path, bwd) -> None:
         """Bind ``eqn`` again with its half operands (and half dtype parameters) in float32."""
         name = eqn.primitive.name
-        if name in _REARRANGING or any(_compat.is_jaxpr_like(v) for v in eqn.params.values()):
-            return  # moves half values without computing new ones / a combiner typed for half
+        if (
+            name in _REARRANGING
+            or any(_compat.is_jaxpr_like(v) for v in eqn.params.values())
+            or any(_compat.is_ref(v.aval) for v in (*eqn.invars, *eqn.outvars))
+        ):
+            return  # moves half values without computing new ones / a combiner typed for half / state
         if name == "convert_element_type":  # the reference of a cast is its input
             self._report(
                 eqn,

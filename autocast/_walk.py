@@ -18,8 +18,21 @@ _BODY_PARAMS = ("jaxpr", "call_jaxpr", "branches", "cond_jaxpr", "body_jaxpr")
 _NOT_BODIES = ("reduce", "scatter", "select_and", "sort", "argsort")
 
 
+# ``call_hi_primitive`` encodings (JAX's upgrade flags) by what they are.
+_HI_KINDS = {
+    "RematTraced": "checkpoint",
+    "CustomJVPTraced": "custom_jvp",
+    "CustomVJPTraced": "custom_vjp",
+    "Scan3": "scan",
+}
+_KINDS = {"custom_jvp_call": "custom_jvp", "custom_vjp_call": "custom_vjp", "custom_vjp_call_jaxpr": "custom_vjp"}
+
+
 def bodies(eqn: Any) -> list[Any]:
-    """The jaxprs of a higher-order equation (``jit``, ``scan``, ``cond``, ...), or []."""
+    """The jaxprs of a higher-order equation (``jit``, ``scan``, ``cond``, ..., and the
+    ``call_hi_primitive`` encodings of checkpoint, custom_jvp/vjp and scan), or []."""
+    if _compat.hi_prim(eqn) is not None:
+        return _compat.hi_bodies(eqn)
     if eqn.primitive.name.startswith(_NOT_BODIES):
         return []
     out = []
@@ -31,21 +44,46 @@ def bodies(eqn: Any) -> list[Any]:
     return out
 
 
-def label(eqn: Any) -> str:
-    """How a higher-order equation shows in a nesting path: ``jit(gelu)``, ``scan(8)``, ..."""
+def kind(eqn: Any) -> str:
+    """What an equation is, the same in both encodings: ``checkpoint``, ``custom_jvp``,
+    ``custom_vjp``, ``scan``, ``jit``, a ``HiPrim``'s class name for other
+    ``call_hi_primitive`` equations, else the primitive's name."""
+    hi = _compat.hi_name(eqn)
+    if hi is not None:
+        return _HI_KINDS.get(hi, hi)
     name = eqn.primitive.name
     if name in ("jit", "pjit", "closed_call", "core_call"):
-        return f"jit({eqn.params.get('name', '?')})"
-    if name == "scan":
-        return f"scan({eqn.params.get('length')})"
+        return "jit"
     if name.startswith("remat") or name == "checkpoint":
         return "checkpoint"
-    return name
+    return _KINDS.get(name, name)
+
+
+def label(eqn: Any) -> str:
+    """How a higher-order equation shows in a nesting path: ``jit(gelu)``, ``scan(8)``,
+    ``checkpoint``, ``custom_jvp(relu)``, ... (the same in both encodings)."""
+    k = kind(eqn)
+    if k == "jit":
+        return f"jit({eqn.params.get('name', '?')})"
+    if k == "scan":
+        return f"scan({multiplier(eqn)})"
+    if k in ("custom_jvp", "custom_vjp"):
+        name = _compat.fun_name(eqn)
+        return f"{k}({name})" if name else k
+    return k
 
 
 def multiplier(eqn: Any) -> int:
     """How many times a body runs per evaluation of ``eqn`` (a scan's length; else 1)."""
-    return int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
+    return int(param(eqn, "length", 1)) if kind(eqn) == "scan" else 1
+
+
+def param(eqn: Any, key: str, default: Any = None) -> Any:
+    """A parameter of ``eqn`` in either encoding (a ``call_hi_primitive``'s ``HiPrim``
+    holds them: a checkpoint's ``policy``, a scan's ``length``, ...)."""
+    if _compat.hi_prim(eqn) is not None:
+        return _compat.hi_param(eqn, key, default)
+    return eqn.params.get(key, default)
 
 
 def walk(

@@ -288,11 +288,14 @@ def count_converts(lowered: Any, compiled: Any) -> dict[str, int]:
 
 def count_eqns(jaxpr: Any) -> int:
     """Number of equations in a (closed) jaxpr, including every sub-jaxpr."""
+    from autocast import _compat
+
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     n = 0
     for eqn in jaxpr.eqns:
         n += 1
-        for sub in jex_core.jaxprs_in_params(eqn.params):
+        # bodies in params, and those a ``call_hi_primitive`` (JAX's upgrade flags) holds
+        for sub in [*jex_core.jaxprs_in_params(eqn.params), *_compat.hi_bodies(eqn)]:
             n += count_eqns(sub)
     return n
 

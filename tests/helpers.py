@@ -9,7 +9,9 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 import numpy as np
+import pytest
 
+from autocast import _compat, _walk
 from autocast._compat import WIDENED_SCOPE
 
 COMPUTE_PRIMS = ("dot_general", "conv_general_dilated")
@@ -20,21 +22,72 @@ def _scopes(eqn: Any) -> tuple[str, ...]:
 
 
 def walk(jaxpr: Any, scopes: tuple[str, ...] = ()) -> Iterator[tuple[Any, tuple[str, ...]]]:
-    """Every equation of ``jaxpr`` and of all its sub-jaxprs, with the accumulated scopes."""
+    """Every equation of ``jaxpr`` and of all its bodies (``autocast._walk.bodies``: jit,
+    scan, cond, while, checkpoint, custom_jvp/vjp, shard_map, in either encoding: the
+    classic primitives or JAX's ``call_hi_primitive``), with the accumulated scopes."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
         here = scopes + _scopes(eqn)
         yield eqn, here
-        for sub in _jaxprs_in_params(eqn.params):
+        for sub in _walk.bodies(eqn):
             yield from walk(sub, here)
 
 
-def _jaxprs_in_params(params: dict) -> Iterator[Any]:
-    # jax.extend.core.jaxprs_in_params is JAX >= 0.10 only; this covers both.
-    for val in params.values():
-        for v in val if type(val) is tuple else (val,):
-            if isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr)):
-                yield v
+def kind(eqn: Any) -> str:
+    """What ``eqn`` is in either encoding: ``checkpoint``, ``custom_jvp``, ``custom_vjp``,
+    ``scan``, ``jit``, ... (``autocast._walk.kind``); else the primitive's name."""
+    return _walk.kind(eqn)
+
+
+def label(eqn: Any) -> str:
+    """How ``eqn`` shows in explain's nesting paths, in either encoding: ``checkpoint``,
+    ``custom_jvp(relu)``, ``scan(8)``, ``jit(f)`` (``autocast._walk.label``)."""
+    return _walk.label(eqn)
+
+
+def of_kind(jaxpr: Any, *kinds: str) -> list[Any]:
+    """The equations of ``jaxpr`` (any depth) that are one of ``kinds``."""
+    return [e for e, _ in walk(jaxpr) if _walk.kind(e) in kinds]
+
+
+def param(eqn: Any, key: str, default: Any = None) -> Any:
+    """A parameter of ``eqn`` in either encoding (``autocast._walk.param``)."""
+    return _walk.param(eqn, key, default)
+
+
+def bodies(eqn: Any) -> list[Any]:
+    """The jaxprs ``eqn`` holds (its body, its branches, ...), in either encoding."""
+    return _walk.bodies(eqn)
+
+
+def dots_in(jaxpr: Any) -> list[tuple[str, ...]]:
+    """The operand dtypes of every matmul/convolution in ``jaxpr`` at any depth, operands
+    widened exactly from half (:func:`widened_from_half`) counting as half."""
+    widened = widened_from_half(jaxpr)
+    return [operand_dtypes(e, widened) for e, _ in walk(jaxpr) if e.primitive.name in COMPUTE_PRIMS]
+
+
+def activation_jvps(jaxpr: Any, kind: str = "custom_jvp") -> list[Any]:
+    """The ``custom_jvp`` (or ``kind``) equations, either encoding, any depth, whose body
+    computes no matmul: an activation's (``relu``, ...), not the ``custom_jvp`` around a
+    matmul that gives it a float32 weight cotangent."""
+    return [
+        e
+        for e in of_kind(jaxpr, kind)
+        if not any(i.primitive.name in COMPUTE_PRIMS for b in _walk.bodies(e) for i, _ in walk(b))
+    ]
+
+
+def flag_on(*names: str) -> bool:
+    """Whether all of JAX's upgrade flags ``jax_<name>`` are on (``remat3``, ``custom_jvp3``,
+    ``custom_vjp3``, ``scan3``, ``softmax_custom_jvp``; False where JAX lacks one)."""
+    return all(_compat.flag_on(n) for n in names)
+
+
+def xfail_if_flag(*names: str, reason: str) -> Any:
+    """A strict xfail that applies only while the upgrade flags ``names`` are on (the CI
+    lane ``nextjax``); ``reason`` names the upstream behaviour."""
+    return pytest.mark.xfail(flag_on(*names), strict=True, reason=reason)
 
 
 def widened_from_half(jaxpr: Any) -> dict[Any, str]:
@@ -56,7 +109,7 @@ def widened_from_half(jaxpr: Any) -> dict[Any, str]:
                 and str(e.outvars[0].aval.dtype) == "float32"
             ):
                 found[e.outvars[0]] = str(e.invars[0].aval.dtype)
-            for sub in _jaxprs_in_params(e.params):
+            for sub in _walk.bodies(e):
                 inner = getattr(sub, "jaxpr", sub)
                 # operands passed one to one (jit, remat, custom_jvp, scan), or after an
                 # index (cond's branches)

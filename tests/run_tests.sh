@@ -1,44 +1,77 @@
 #!/usr/bin/env bash
-# Quickstart command 2: run the whole test suite on CPU in two environments, each in its own
-# virtualenv (created once, re-installed only when pyproject.toml changes):
-#   newest: Python 3.13 with the newest JAX, Flax, Equinox and optax the index serves
-#   oldest: Python 3.11 with the oldest supported JAX (0.9.2)
-# Exits non-zero if either fails. One environment only: AUTOCAST_ENVS=newest (or oldest).
+# Quickstart command 2: run the test suite on CPU in three lanes, each in its own virtualenv
+# (created once, re-installed only when pyproject.toml changes):
+#   newest:  Python 3.13 with the newest JAX, Flax, Equinox and optax the index serves
+#   oldest:  Python 3.11 with the oldest supported JAX (0.9.2)
+#   nextjax: the newest venv with JAX's upgrade flags on (the encodings JAX moves to:
+#            checkpoint, custom_jvp/vjp as call_hi_primitive, softmax's custom_jvp), on the
+#            files that exercise higher-order primitives, custom derivatives, models and
+#            explain; then the forward-only Scan3 file with JAX_SCAN3=1 as well
+# Exits non-zero if any fails. One lane only: AUTOCAST_ENVS=newest (or oldest, nextjax).
 # Extra arguments go to pytest, e.g. `bash tests/run_tests.sh -k policy`.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../.ci/venv.sh"
 OLDEST_JAX="0.9.2"  # keep in step with pyproject.toml's jax lower bound
-envs="${AUTOCAST_ENVS:-newest oldest}"
+envs="${AUTOCAST_ENVS:-newest oldest nextjax}"
+NEXTJAX_FLAGS="JAX_REMAT3=1 JAX_CUSTOM_JVP3=1 JAX_CUSTOM_VJP3=1 JAX_SOFTMAX_CUSTOM_JVP=1"
+# the whole suite twice more does not fit CI's 30 minutes on 2 cores: these files only
+NEXTJAX_FILES="tests/test_higher_order.py tests/test_custom_derivatives.py tests/test_islands.py
+  tests/test_cross_boundary.py tests/test_residual_census.py tests/test_models_equinox.py
+  tests/test_models_flax.py tests/test_explain.py tests/test_find_overflow.py tests/test_walk_hijax.py"
+SCAN3_FILE="tests/test_hijax_scan3.py"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 status=0
 summary=()
+newest_venv() {
+  local py
+  if ! py="$(find_python 3.13)"; then
+    if [ "${CI:-}" = "true" ]; then
+      echo "newest: Python 3.13 not found (install it, e.g. with pyenv)" >&2
+      exit 1
+    fi
+    py="${PYTHON:-python3}"
+    echo "newest: Python 3.13 not found; using $py with the newest JAX it can install" >&2
+  fi
+  ensure_venv .venv-newest "$py" test --upgrade "jax[cpu]"
+}
 for env in $envs; do
+  flags=""
   case "$env" in
     newest)
-      if ! py="$(find_python 3.13)"; then
-        if [ "${CI:-}" = "true" ]; then
-          echo "newest: Python 3.13 not found (install it, e.g. with pyenv)" >&2
-          exit 1
-        fi
-        py="${PYTHON:-python3}"
-        echo "newest: Python 3.13 not found; using $py with the newest JAX it can install" >&2
-      fi
-      ensure_venv .venv-newest "$py" test --upgrade "jax[cpu]" ;;
+      newest_venv ;;
+    nextjax)
+      newest_venv ;;
     oldest)
       py="$(find_python 3.11 || echo "${PYTHON:-python3}")"
       ensure_venv .venv-oldest "$py" test "jax[cpu]==$OLDEST_JAX" "jaxlib==$OLDEST_JAX" ;;
     *)
-      echo "unknown environment '$env' in AUTOCAST_ENVS (allowed: newest, oldest)" >&2
+      echo "unknown environment '$env' in AUTOCAST_ENVS (allowed: newest, oldest, nextjax)" >&2
       exit 2 ;;
   esac
   versions="$("$VENV_PYTHON" -c 'import sys, jax, flax, equinox, optax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}, equinox {equinox.__version__}, optax {optax.__version__}")')"
-  echo "=== $env: $versions"
   start=$SECONDS
-  if (cd "$PROJECT_ROOT" && "$VENV_PYTHON" -m pytest -p no:cacheprovider -n 2 -q "$@"); then
-    summary+=("$env ($versions): passed in $((SECONDS - start)) s")
+  if [ "$env" = nextjax ]; then
+    runs=("env $NEXTJAX_FLAGS|$NEXTJAX_FILES")
+    if [ -f "$PROJECT_ROOT/$SCAN3_FILE" ]; then
+      runs+=("env $NEXTJAX_FLAGS JAX_SCAN3=1|$SCAN3_FILE")
+      flags="$NEXTJAX_FLAGS, then JAX_SCAN3=1 on $SCAN3_FILE"
+    else
+      flags="$NEXTJAX_FLAGS ($SCAN3_FILE not present: no JAX_SCAN3 run)"
+    fi
+  else
+    runs=("env|")
+  fi
+  echo "=== $env: $versions${flags:+; flags: $flags}"
+  ok=true
+  for run in "${runs[@]}"; do  # "env FLAGS|FILES"
+    # shellcheck disable=SC2086  # word splitting of the flag and file lists is intended
+    (cd "$PROJECT_ROOT" && ${run%%|*} "$VENV_PYTHON" -m pytest -p no:cacheprovider -n 2 -q ${run#*|} "$@") || ok=false
+  done
+  if $ok; then
+    summary+=("$env ($versions${flags:+; flags: $flags}): passed in $((SECONDS - start)) s")
   else
     status=1
-    summary+=("$env ($versions): FAILED after $((SECONDS - start)) s")
+    summary+=("$env ($versions${flags:+; flags: $flags}): FAILED after $((SECONDS - start)) s")
   fi
 done
 printf '%s\n' "${summary[@]}"

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import walk
+from helpers import activation_jvps, kind, walk
 
 import autocast
 
@@ -146,13 +146,8 @@ def test_custom_jvp_body_sees_float32_consumers(dtype):
         return jnp.sum(jnp.log(jnp.logaddexp(x @ w, 0.5)))
 
     closed = jax.make_jaxpr(autocast.amp(f, compute_dtype=dtype))(w, x)
-    calls = [
-        e
-        for e, _ in walk(closed)
-        if e.primitive.name == "custom_jvp_call"
-        # logaddexp's, not the matmul's (a float32 weight cotangent is a custom_jvp too)
-        and not any(b.primitive.name == "dot_general" for b in e.params["call_jaxpr"].jaxpr.eqns)
-    ]
+    # logaddexp's custom_jvp (either encoding), not the matmul's (a float32 weight cotangent is one too)
+    calls = activation_jvps(closed)
     assert calls and all(str(e.outvars[0].aval.dtype) == "float32" for e in calls)
     np.testing.assert_allclose(autocast.amp(f, compute_dtype=dtype)(w, x), f(w, x), rtol=1e-2)
 
@@ -179,6 +174,6 @@ def test_scan_reads_its_inputs_from_one_float32_value():
         and e.invars[0].aval.shape in ((32, 8), (8,))
     ]
     assert len(converts) == 1, converts
-    (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+    (scan,) = [e for e in closed.jaxpr.eqns if kind(e) == "scan"]
     assert scan.invars[-1] is converts[0].outvars[0]
     np.testing.assert_allclose(autocast.amp(f)(w, x), f(w, x), rtol=2e-3)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tree_max_rel_err, walk
+from helpers import activation_jvps, tree_max_rel_err, walk
 from jax.ad_checkpoint import print_saved_residuals
 from jax.custom_derivatives import SymbolicZero
 
@@ -75,17 +75,12 @@ def test_activation_saves_no_float32_residual_of_activation_size(name, dtype, ca
 
 @pytest.mark.parametrize("name", ["relu", "relu6"])
 def test_relu_call_stays_half(name):
-    """No convert around the activation: its custom_jvp_call takes and returns float16."""
+    """No convert around the activation: its custom_jvp (either encoding) takes and returns float16."""
     act = ACTIVATIONS[name]
     w, x = _wx(1)
     closed = jax.make_jaxpr(autocast.amp(lambda w, x: act(x @ w) @ w.T))(w, x)
-    calls = [
-        e
-        for e, _ in walk(closed)
-        if e.primitive.name == "custom_jvp_call"
-        # the activation's, not a matmul's (a float32 weight cotangent is a custom_jvp too)
-        and not any(b.primitive.name == "dot_general" for b in e.params["call_jaxpr"].jaxpr.eqns)
-    ]
+    # the activation's, not a matmul's (a float32 weight cotangent is a custom_jvp too)
+    calls = activation_jvps(closed)
     assert calls
     for e in calls:
         floats = [str(v.aval.dtype) for v in (*e.invars, *e.outvars) if str(v.aval.dtype).startswith("float")]

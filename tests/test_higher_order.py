@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import compute_op_dtypes, tree_max_rel_err, walk
+from helpers import activation_jvps, bodies, compute_op_dtypes, dots_in, of_kind, param, tree_max_rel_err, walk
 from jax.ad_checkpoint import print_saved_residuals
 from jax.experimental import io_callback
 
@@ -80,7 +80,9 @@ def test_custom_jvp_straight_through_estimator_is_used():
     # the STE rule matters: the true gradient differs from it by a lot
     assert tree_max_rel_err(true, ref) > 0.3
     assert tree_max_rel_err(got, ref) < GRAD_TOL, "amp(f) does not use the custom_jvp rule"
-    assert "custom_jvp_call" in _prims(autocast.amp(f), w, x)
+    # the custom_jvp stays one (classic or call_hi_primitive encoding), around half values
+    (ste,) = activation_jvps(jax.make_jaxpr(autocast.amp(f))(w, x))
+    assert [str(v.aval.dtype) for v in ste.invars] == ["float16"], ste
 
 
 def test_custom_jvp_rule_output_is_used_not_the_body_derivative():
@@ -140,7 +142,8 @@ def test_custom_vjp_gradient_clipper_backward_is_used():
     # documented: bwd runs in the dtypes its residuals and cotangents arrive in (here the
     # float16 matmul result), and its clip still applies exactly (checked above)
     assert _seen_bwd_dtypes and all(d == ("float16", "float16") for d in _seen_bwd_dtypes), _seen_bwd_dtypes
-    assert "custom_vjp_call" in _prims(autocast.amp(f), w, x)
+    (clip,) = activation_jvps(jax.make_jaxpr(autocast.amp(f))(w, x), "custom_vjp")
+    assert [str(v.aval.dtype) for v in clip.invars] == ["float16"], clip
 
 
 def test_custom_vjp_inside_jit_and_scan_under_amp():
@@ -176,17 +179,11 @@ def test_checkpoint_policy_param_is_kept():
         return jnp.sum(block(w, x) ** 2)
 
     closed = jax.make_jaxpr(autocast.amp(f))(w, x)
-    remats = [e for e, _ in walk(closed) if e.primitive.name in ("checkpoint", "remat2", "remat")]
-    assert any(e.params.get("policy") is policy for e in remats), [e.params.get("policy") for e in remats]
-    # and its body's matmuls are half precision
-    inner = [
-        str(e.invars[0].aval.dtype)
-        for r in remats
-        if r.params.get("policy") is policy
-        for e, _ in walk(r.params["jaxpr"])
-        if e.primitive.name == "dot_general"
-    ]
-    assert inner and set(inner) == {"float16"}, inner
+    remats = of_kind(closed, "checkpoint")
+    assert any(param(e, "policy") is policy for e in remats), [param(e, "policy") for e in remats]
+    # and its body's two matmuls are half precision
+    inner = [d for r in remats if param(r, "policy") is policy for b in bodies(r) for d in dots_in(b)]
+    assert inner == [("float16", "float16")] * 2, inner
     assert tree_max_rel_err(jax.grad(autocast.amp(f))(w, x), jax.grad(f)(w, x)) < GRAD_TOL
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import walk
+from helpers import activation_jvps, of_kind
 
 import autocast
 from autocast import _compat
@@ -91,7 +91,7 @@ def _float32_residual_bytes(f, p, x) -> int:
 
 def _n_checkpoints(f, p, x) -> int:
     closed = jax.make_jaxpr(f)(p, x)
-    return sum(e.primitive.name in ("checkpoint", "remat2", "remat") for e, _ in walk(closed))
+    return len(of_kind(closed, "checkpoint"))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
@@ -176,12 +176,7 @@ def norm_relu_params():
 def _relu_operand_dtypes(f, p, x) -> list[str]:
     closed = jax.make_jaxpr(f)(p, x)
     # relu's custom_jvp (not the custom_jvp of a matmul with a float32 weight cotangent)
-    return [
-        str(e.invars[0].aval.dtype)
-        for e, _ in walk(closed)
-        if e.primitive.name == "custom_jvp_call"
-        and not any(b.primitive.name == "dot_general" for b in e.params["call_jaxpr"].jaxpr.eqns)
-    ]
+    return [str(e.invars[0].aval.dtype) for e in activation_jvps(closed)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])

@@ -245,7 +245,7 @@ def test_grads_params_and_state_keep_dtypes(factory, dtype_name):
 def test_linen_transformer_keeps_scan_and_remat():
     """The transformed jaxpr still has the layer ``scan`` and the ``nn.remat`` checkpoint
     inside it, with the matmuls of the block in half precision *inside* the scan body."""
-    from helpers import walk
+    from helpers import bodies, dots_in, of_kind
 
     import autocast
 
@@ -253,22 +253,11 @@ def test_linen_transformer_keeps_scan_and_remat():
     fn = autocast.amp(lambda p, t: case.loss_fn(p, None, t)[0])
     forward = jax.make_jaxpr(fn)(case.params, case.batch)
     closed = jax.make_jaxpr(jax.grad(fn))(case.params, case.batch)
-    scans = [e for e, _ in walk(closed) if e.primitive.name == "scan"]
+    scans = of_kind(closed, "scan")
     assert len(scans) >= 2, "the nn.scan over layers (forward and backward) disappeared"
-    inner = [
-        (e.primitive.name, str(e.invars[0].aval.dtype))
-        for s in scans
-        for e, _ in walk(s.params["jaxpr"])
-        if e.primitive.name == "dot_general"
-    ]
-    assert inner and all(dt == "float16" for _, dt in inner), inner
-    fwd_scans = [e for e, _ in walk(forward) if e.primitive.name == "scan"]
-    remats = [
-        e
-        for s in fwd_scans
-        for e, _ in walk(s.params["jaxpr"])
-        if e.primitive.name in ("checkpoint", "remat2", "remat")
-    ]
+    inner = [d for s in scans for b in bodies(s) for d in dots_in(b)]
+    assert inner and all(d[0] == "float16" for d in inner), inner
+    remats = [r for s in of_kind(forward, "scan") for b in bodies(s) for r in of_kind(b, "checkpoint")]
     assert remats, "nn.remat's checkpoint inside the scanned block disappeared"
 
 
