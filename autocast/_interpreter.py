@@ -128,9 +128,17 @@ class Context:
         other.widen = False
         return other
 
+    def without_islands(self) -> Context:
+        """This context (same caches), finding no float32 islands: for a custom JVP rule,
+        whose call is recomputed as a whole instead (JAX cannot linearize a checkpoint
+        inside a custom JVP rule under ``jax_remat3``)."""
+        other = copy.copy(self)
+        other.remat = False
+        return other
+
     def cached(self, key: tuple, jaxpr_like: Any, build):
         """Memoise a sub-jaxpr rewrite on (jaxpr object, dtypes, scopes, ...)."""
-        full_key = (id(jaxpr_like), self.widen, *key)
+        full_key = (id(jaxpr_like), self.widen, self.remat, *key)
         if full_key not in self._jaxpr_cache:
             self._keep_alive.append(jaxpr_like)  # keeps id() unique while cached
             self._jaxpr_cache[full_key] = build()

@@ -197,7 +197,7 @@ def _plan(
             if kind == HIGHER:
                 # a call fed by the island (relu after a norm) joins it: its own residuals
                 # (relu's zeros_like, a float32 activation) are recomputed too
-                joins = eqn.primitive in _registry.NARROW_BODIES and any(v in f32 for v in ins)
+                joins = any(v in f32 for v in ins) and _registry.narrow_body(eqn) is not None
             else:
                 joins = (
                     rule is _rules.use_float32_precision
@@ -226,10 +226,10 @@ def _narrowed(ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], out_na
             flags = [True] * len(eqn.invars)
         elif kind == RULE and rule is _rules.use_input_precision and eqn.primitive.name in COMMUTES_WITH_ROUNDING:
             flags = [outs_ok] * len(eqn.invars)
-        elif kind == HIGHER and eqn.primitive in _registry.NARROW_BODIES:
+        elif kind == HIGHER and (body := _registry.narrow_body(eqn)) is not None:
             out_n = [isinstance(v, _compat.DropVar) or ok.get(v, False) for v in eqn.outvars]
             eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
-            flags = narrow_inputs(ctx, eqn.params[_registry.NARROW_BODIES[eqn.primitive]], eqn_scopes, out_n)
+            flags = narrow_inputs(ctx, body, eqn_scopes, out_n)
         else:
             flags = [False] * len(eqn.invars)
         for v, flag in zip(eqn.invars, flags):

@@ -38,16 +38,18 @@ HIGHER_ORDER_RULES: dict[Any, Handler] = {}
 PULL_RULES: dict[Any, PullRule] = {}
 """Primitive -> pull rule (primitives without one pull nothing across their boundary)."""
 
-NARROW_BODIES: dict[Any, str] = {}
+NARROW_BODIES: dict[Any, str | Callable[[Any], Any]] = {}
 """Primitive -> the parameter holding a body whose invars are the operands, one to one,
 and whose handler lets half-precision operands in (the planner looks through it to see
-whether an operand reaches only half-precision consumers: ``relu``'s ``custom_jvp``)."""
+whether an operand reaches only half-precision consumers: ``relu``'s ``custom_jvp``); or a
+function of the equation returning that body or None (``call_hi_primitive``: it depends on
+the construct the equation holds). See :func:`narrow_body`."""
 
 _fallback: list[Handler] = []
 
 
 def register_higher_order(
-    prim: Any, *, pulls: PullRule | None = None, body: str | None = None
+    prim: Any, *, pulls: PullRule | None = None, body: str | Callable[[Any], Any] | None = None
 ) -> Callable[[Handler], Handler]:
     """Register ``handler`` for ``prim`` (a no-op when this JAX has no such primitive);
     ``body``: see :data:`NARROW_BODIES`."""
@@ -77,6 +79,14 @@ def jaxpr_params(params: dict[str, Any]) -> list[str]:
         if _compat.is_jaxpr_like(val) or (type(val) is tuple and val and all(_compat.is_jaxpr_like(v) for v in val)):
             keys.append(key)
     return keys
+
+
+def narrow_body(eqn: Any) -> Any | None:
+    """The body :data:`NARROW_BODIES` names for ``eqn``, or None."""
+    body = NARROW_BODIES.get(eqn.primitive)
+    if body is None:
+        return None
+    return eqn.params[body] if isinstance(body, str) else body(eqn)
 
 
 def handler_for(eqn: Any) -> Handler | None:
