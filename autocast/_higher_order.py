@@ -31,6 +31,7 @@ trip through float32 at each boundary would cost memory and converts:
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Sequence
 from typing import Any
 
@@ -171,15 +172,30 @@ def _zero_tangent(aval: Any) -> Any:
     return np.zeros(aval.shape, jax.dtypes.float0)
 
 
-def _rule_recomputed(ctx: Context, parts: _compat.CustomJVPParts, n_args: int, scopes: tuple, out32) -> bool:
-    """Whether a JVP rule computes in float32 (softplus: ``exp(x - softplus(x))``): its call
-    is then recomputed in the backward pass from the half-precision primals instead of
-    saving the rule's float32 intermediates, as for any other float32 island."""
-    if not ctx.remat:
-        return False
-    jaxpr, _, _ = parts.rule([False] * n_args)
-    rule_out32 = [*out32, *[False] * (len(jaxpr.outvars) - len(out32))]
-    return any(_plan.plan(ctx, jaxpr, scopes, rule_out32)[1])
+_probing: contextvars.ContextVar[bool] = contextvars.ContextVar("autocast_probing_rule", default=False)
+
+
+def rule_computes_in_float32(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> bool:
+    """Whether the JVP rule of a custom JVP computes in float32 (softplus: ``exp(x -
+    softplus(x))``): its call is then recomputed in the backward pass from the
+    half-precision primals instead of saving the rule's float32 intermediates, as any other
+    float32 island (the planner makes it part of one; memoised per equation)."""
+    if not ctx.remat or _probing.get():
+        return False  # a rule that calls its own function (softmax's) is not probed again
+
+    def build():
+        parts = _compat.custom_jvp_parts(eqn)
+        if parts is None:
+            return False
+        jaxpr, _, _ = parts.rule([False] * (len(eqn.invars) - parts.n_consts))
+        rule_out32 = [*out32, *[False] * (len(jaxpr.outvars) - len(out32))]
+        token = _probing.set(True)
+        try:
+            return any(_plan.plan(ctx, jaxpr, scopes, rule_out32)[1])
+        finally:
+            _probing.reset(token)
+
+    return ctx.cached(("rule32", scopes, tuple(map(bool, out32))), eqn, build)
 
 
 def custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
@@ -214,12 +230,13 @@ def custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tupl
 
     call = jax.custom_jvp(body)
     call.defjvp(rule, symbolic_zeros=parts.symbolic_zeros)
-    if _rule_recomputed(ctx, parts, len(invals) - n, scopes, out32):
+    if not ctx.recomputed and rule_computes_in_float32(ctx, eqn, scopes, out32):
+        # not in a recomputed island: a checkpoint of its own
         return list(_compat.checkpoint(lambda *args: list(call(*args)))(*invals)), out_free
     return list(call(*invals)), out_free
 
 
-register_higher_order(_compat.custom_jvp_call_p, body="call_jaxpr")(custom_jvp)
+register_higher_order(_compat.custom_jvp_call_p, body="call_jaxpr", float32_call=rule_computes_in_float32)(custom_jvp)
 
 
 def custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):

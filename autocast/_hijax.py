@@ -23,13 +23,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _compat
-from ._higher_order import _current_dtypes, checkpoint, checkpoint_pulls, custom_jvp, custom_vjp, hi_original
+from ._higher_order import (
+    _current_dtypes,
+    checkpoint,
+    checkpoint_pulls,
+    custom_jvp,
+    custom_vjp,
+    hi_original,
+    rule_computes_in_float32,
+)
 from ._interpreter import Context, original_dtypes, transform_jaxpr
 from ._registry import register_higher_order
 
 
-def _pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
-    return checkpoint_pulls(ctx, eqn, scopes, out32)
+def _float32_call(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> bool:
+    return _compat.hi_name(eqn) == "CustomJVPTraced" and rule_computes_in_float32(ctx, eqn, scopes, out32)
 
 
 def _checkpoint_name(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
@@ -46,7 +54,9 @@ def _scan3(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, o
     return _compat.scan3_bind(eqn, new, extra, invals), out_free
 
 
-@register_higher_order(_compat.call_hi_primitive_p, pulls=_pulls, body=_compat.narrow_body)
+@register_higher_order(
+    _compat.call_hi_primitive_p, pulls=checkpoint_pulls, body=_compat.narrow_body, float32_call=_float32_call
+)
 def _call_hi(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     if _compat.remat_parts(eqn) is not None:
         return checkpoint(ctx, eqn, invals, in_free, scopes, out32)

@@ -112,6 +112,9 @@ class Context:
         # whether the cotangent of a matmul operand narrowed from float32 (a parameter) is
         # accumulated in float32 (``_wide``); off: in the compute dtype (less bandwidth)
         self.float32_cotangents = True
+        # whether evaluation is inside a recomputed island's checkpoint (a custom JVP call
+        # that computes in float32 then needs no checkpoint of its own)
+        self.recomputed = False
         self.lookup = Lookup(policy)
         self._jaxpr_cache: dict[Any, Any] = {}
         self._keep_alive: list[Any] = []
@@ -136,9 +139,15 @@ class Context:
         other.remat = False
         return other
 
+    def inside_recomputed_island(self) -> Context:
+        """This context (same caches), for evaluation inside a recomputed island."""
+        other = copy.copy(self)
+        other.recomputed = True
+        return other
+
     def cached(self, key: tuple, jaxpr_like: Any, build):
         """Memoise a sub-jaxpr rewrite on (jaxpr object, dtypes, scopes, ...)."""
-        full_key = (id(jaxpr_like), self.widen, self.remat, *key)
+        full_key = (id(jaxpr_like), self.widen, self.remat, self.recomputed, *key)
         if full_key not in self._jaxpr_cache:
             self._keep_alive.append(jaxpr_like)  # keeps id() unique while cached
             self._jaxpr_cache[full_key] = build()
@@ -329,7 +338,8 @@ def _eval_eqn(
                 _dtypes.cast(x, _dtypes.FLOAT32) if p and _dtypes.is_castable(v.aval.dtype) else x
                 for x, p, v in zip(invals, pulls, eqn.invars)
             ]
-            outs, out_free = handler(ctx, eqn, invals, in_free, eqn_scopes, out32)
+            hctx = ctx.inside_recomputed_island() if island is not None and island[1] and not ctx.recomputed else ctx
+            outs, out_free = handler(hctx, eqn, invals, in_free, eqn_scopes, out32)
         else:
             outs, out_free, bound = _apply_rule(ctx, eqn, rule, invals, in_free, widen)
     if ctx.observer is not None:

@@ -196,8 +196,12 @@ def _plan(
             outs32 = any(v.aval.dtype == _dtypes.FLOAT32 for v in eqn.outvars)
             if kind == HIGHER:
                 # a call fed by the island (relu after a norm) joins it: its own residuals
-                # (relu's zeros_like, a float32 activation) are recomputed too
-                joins = any(v in f32 for v in ins) and _registry.narrow_body(eqn) is not None
+                # (relu's zeros_like, a float32 activation) are recomputed too; so does a
+                # call that computes in float32 itself (softplus's custom JVP rule)
+                eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
+                joins = (any(v in f32 for v in ins) and _registry.narrow_body(eqn) is not None) or (
+                    _registry.computes_in_float32(ctx, eqn, eqn_scopes, rule[1])
+                )
             else:
                 joins = (
                     rule is _rules.use_float32_precision

@@ -45,14 +45,23 @@ whether an operand reaches only half-precision consumers: ``relu``'s ``custom_jv
 function of the equation returning that body or None (``call_hi_primitive``: it depends on
 the construct the equation holds). See :func:`narrow_body`."""
 
+FLOAT32_CALLS: dict[Any, Callable[..., bool]] = {}
+"""Primitive -> ``test(ctx, eqn, scopes, out_float32)``: whether the equation computes in
+float32 as a whole (a custom JVP whose rule does, softplus's). The planner makes such an
+equation part of a float32 island, recomputed in the backward pass like any other."""
+
 _fallback: list[Handler] = []
 
 
 def register_higher_order(
-    prim: Any, *, pulls: PullRule | None = None, body: str | Callable[[Any], Any] | None = None
+    prim: Any,
+    *,
+    pulls: PullRule | None = None,
+    body: str | Callable[[Any], Any] | None = None,
+    float32_call: Callable[..., bool] | None = None,
 ) -> Callable[[Handler], Handler]:
     """Register ``handler`` for ``prim`` (a no-op when this JAX has no such primitive);
-    ``body``: see :data:`NARROW_BODIES`."""
+    ``body``: see :data:`NARROW_BODIES`; ``float32_call``: see :data:`FLOAT32_CALLS`."""
 
     def register(handler: Handler) -> Handler:
         if prim is not None:
@@ -61,6 +70,8 @@ def register_higher_order(
                 PULL_RULES[prim] = pulls
             if body is not None:
                 NARROW_BODIES[prim] = body
+            if float32_call is not None:
+                FLOAT32_CALLS[prim] = float32_call
         return handler
 
     return register
@@ -87,6 +98,12 @@ def narrow_body(eqn: Any) -> Any | None:
     if body is None:
         return None
     return eqn.params[body] if isinstance(body, str) else body(eqn)
+
+
+def computes_in_float32(ctx: Any, eqn: Any, scopes: tuple, out_float32: Any) -> bool:
+    """See :data:`FLOAT32_CALLS` (False for a primitive without such a test)."""
+    test = FLOAT32_CALLS.get(eqn.primitive)
+    return test is not None and bool(test(ctx, eqn, scopes, out_float32))
 
 
 def handler_for(eqn: Any) -> Handler | None:
