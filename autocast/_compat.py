@@ -817,3 +817,12 @@ def narrow_body(eqn: Any) -> Any | None:
         return parts[0]
     prim = hi_prim(eqn)
     return prim.traced.jaxpr if _is_a(prim, CustomJVPTraced) else None
+
+
+def hijax_flags() -> dict[str, Any]:
+    """JAX's upgrade flags for the hijax encodings that this JAX has, by name (``remat3``,
+    ``custom_jvp3``, ``custom_vjp3``, ``scan3``): each value is the config state, usable as
+    a context manager (``with flags["remat3"](True): ...``)."""
+    config = importlib.import_module("jax._src.config")
+    names = ("remat3", "custom_jvp3", "custom_vjp3", "scan3")
+    return {n: getattr(config, n) for n in names if callable(getattr(config, n, None))}
