@@ -821,8 +821,9 @@ def narrow_body(eqn: Any) -> Any | None:
 
 def hijax_flags() -> dict[str, Any]:
     """JAX's upgrade flags for the hijax encodings that this JAX has, by name (``remat3``,
-    ``custom_jvp3``, ``custom_vjp3``, ``scan3``): each value is the config state, usable as
-    a context manager (``with flags["remat3"](True): ...``)."""
+    ``custom_jvp3``, ``custom_vjp3``, ``scan3``; also ``softmax_custom_jvp``, a softmax
+    with a custom JVP): each value is the config state, usable as a context manager
+    (``with flags["remat3"](True): ...``)."""
     config = importlib.import_module("jax._src.config")
-    names = ("remat3", "custom_jvp3", "custom_vjp3", "scan3")
+    names = ("remat3", "custom_jvp3", "custom_vjp3", "scan3", "softmax_custom_jvp")
     return {n: getattr(config, n) for n in names if callable(getattr(config, n, None))}

@@ -461,3 +461,28 @@ def test_checkpoint_policy_and_names_are_kept(flags):
         assert _residuals(autocast.amp(f, compute_dtype=jnp.float16), w, x) == got
     g = jax.grad(amp_f)(w, x)
     assert tree_max_rel_err(g, jax.grad(f)(w, x)) < TOL
+
+
+@pytest.mark.parametrize("extra", [(), tuple(_CONSTRUCTS)], ids=["softmax_custom_jvp", "with_all"])
+def test_softmax_custom_jvp_saves_what_the_plain_softmax_saves(extra):
+    """``jax_softmax_custom_jvp``: the softmax is a custom JVP whose rule computes in float32;
+    it joins the float32 island, so the matmul reading it is recomputed with it and its
+    half-precision operand is not kept (as for the plain softmax)."""
+    rng = np.random.default_rng(10)
+    w = jnp.asarray(rng.standard_normal((32, 64), dtype=np.float32)) / 6
+    w2 = jnp.asarray(rng.standard_normal((64, 64), dtype=np.float32)) / 8
+    x = jnp.asarray(rng.standard_normal((256, 32), dtype=np.float32))
+
+    def f(w, w2, x):
+        return jnp.sum(jnp.tanh(jax.nn.softmax(x @ w, axis=-1) @ w2))
+
+    with FLAGS["softmax_custom_jvp"](False):
+        want = _residuals(autocast.amp(f, compute_dtype=jnp.float16), w, w2, x)
+    with FLAGS["softmax_custom_jvp"](True), flags_set(extra):
+        names = {e.primitive.name for e, _ in _eqns(jax.make_jaxpr(f)(w, w2, x))} | hi_names(f, w, w2, x)
+        assert {"custom_jvp_call", "CustomJVPTraced"} & names, names  # the flag is in effect
+        amp_f = autocast.amp(f, compute_dtype=jnp.float16)
+        got = _residuals(amp_f, w, w2, x)
+        g = jax.grad(amp_f, argnums=(0, 1))(w, w2, x)
+    assert got == want
+    assert tree_max_rel_err(g, jax.grad(f, argnums=(0, 1))(w, w2, x)) < 2e-2
