@@ -661,15 +661,15 @@ class CustomVJPParts(NamedTuple):
 def custom_jvp_parts(eqn: Any) -> CustomJVPParts | None:
     """The pieces of a ``custom_jvp_call`` or ``CustomJVPTraced`` equation (None if this
     JAX stores them in a form autocast does not know)."""
-    prim = hi_prim(eqn)
+    prim: Any = hi_prim(eqn)
     if prim is None:
         params = eqn.params
         thunk = params.get("jvp_jaxpr_fun")
         if not hasattr(thunk, "call_wrapped"):
             return None
-        rule = functools.partial(call_jvp_rule_thunk, thunk)
         n = params["num_consts"]
-        return CustomJVPParts(params["call_jaxpr"], n, rule, n, bool(params.get("symbolic_zeros", False)))
+        old_rule = functools.partial(call_jvp_rule_thunk, thunk)
+        return CustomJVPParts(params["call_jaxpr"], n, old_rule, n, bool(params.get("symbolic_zeros", False)))
     if not _is_a(prim, CustomJVPTraced):
         return None
     # JAX 0.12: applications take ``(consts, *args)``; the rule gets the same structure
@@ -702,11 +702,11 @@ def custom_jvp_parts(eqn: Any) -> CustomJVPParts | None:
 def custom_vjp_parts(eqn: Any) -> CustomVJPParts | None:
     """The pieces of a ``custom_vjp_call`` or ``CustomVJPTraced`` equation (None if this
     JAX stores them in a form autocast does not know)."""
-    prim = hi_prim(eqn)
+    prim: Any = hi_prim(eqn)
     if prim is None:
         params = eqn.params
-        fwd_thunk, bwd, out_trees = params.get("fwd_jaxpr_thunk"), params.get("bwd"), params.get("out_trees")
-        if not (hasattr(fwd_thunk, "call_wrapped") and hasattr(bwd, "call_wrapped") and callable(out_trees)):
+        fwd_thunk, flat_bwd, out_trees = params.get("fwd_jaxpr_thunk"), params.get("bwd"), params.get("out_trees")
+        if not (hasattr(fwd_thunk, "call_wrapped") and hasattr(flat_bwd, "call_wrapped") and callable(out_trees)):
             return None
 
         def old_fwd(perturbed: Sequence[bool]) -> tuple[Any, list[Any], list[Any]]:
@@ -720,7 +720,7 @@ def custom_vjp_parts(eqn: Any) -> CustomVJPParts | None:
             n,
             old_fwd,
             n,
-            functools.partial(call_custom_bwd, bwd),
+            functools.partial(call_custom_bwd, flat_bwd),
             bool(params.get("symbolic_zeros", False)),
         )
     if not _is_a(prim, CustomVJPTraced):
@@ -750,7 +750,8 @@ def custom_vjp_parts(eqn: Any) -> CustomVJPParts | None:
         out_ct = jax.tree_util.tree_unflatten(prim.out_tree, cts)
         if with_slots:  # JAX 0.12
             in_cts, _ = prim.bwd(res_val, out_ct)
-            return jax.tree_util.tree_structure(prim.in_avals[2:]).flatten_up_to(in_cts)
+            args_tree: Any = jax.tree_util.tree_structure(prim.in_avals[2:])
+            return args_tree.flatten_up_to(in_cts)
         return prim.in_tree.flatten_up_to(prim.vjp_bwd_retval(res_val, out_ct))
 
     return CustomVJPParts(prim.traced.jaxpr, n, fwd, 0, bwd, bool(prim.symbolic_zeros))
@@ -761,7 +762,7 @@ def remat_parts(eqn: Any) -> tuple[Any, Any] | None:
     are the operands, one to one), else None."""
     if remat_p is not None and eqn.primitive is remat_p:
         return eqn.params["jaxpr"], eqn.params.get("policy")
-    prim = hi_prim(eqn)
+    prim: Any = hi_prim(eqn)
     if _is_a(prim, RematTraced) and "jaxpr" in prim.params and "prevent_cse" in prim.params:  # JAX 0.12
         return prim.params["jaxpr"], prim.params["policy"]
     return None
@@ -770,7 +771,7 @@ def remat_parts(eqn: Any) -> tuple[Any, Any] | None:
 def remat_bind(eqn: Any, body: Any, extra: Sequence[Any], invals: Sequence[Any]) -> list[Any]:
     """The checkpoint of ``eqn`` (same policy and ``prevent_cse``) around a new ``body`` that
     takes ``extra`` constants before the operands."""
-    prim = hi_prim(eqn)
+    prim: Any = hi_prim(eqn)
     if prim is None:
         return bind(eqn.primitive, [*extra, *invals], dict(eqn.params, jaxpr=body))
     prevent_cse = prim.params["prevent_cse"]
@@ -783,7 +784,7 @@ def scan3_parts(eqn: Any) -> tuple[Any, list[bool]] | None:
     """``(body, extensives)`` of a ``Scan3`` equation: the body's invars are the operands one
     to one (loop carries are refs among them); ``extensives[i]``: operand ``i`` is scanned
     over. None for any other equation."""
-    prim = hi_prim(eqn)
+    prim: Any = hi_prim(eqn)
     if _is_a(prim, Scan3):
         return prim.params["jaxpr"], list(prim.params["extensives"])
     return None
@@ -792,20 +793,21 @@ def scan3_parts(eqn: Any) -> tuple[Any, list[bool]] | None:
 def scan3_bind(eqn: Any, body: Any, extra: Sequence[Any], invals: Sequence[Any]) -> list[Any]:
     """The ``Scan3`` of ``eqn`` (same length, ``reverse``, ``unroll``) over a new ``body``
     that takes ``extra`` loop-invariant constants first."""
-    p = hi_prim(eqn).params
+    prim: Any = hi_prim(eqn)
+    p = prim.params
     ext = [False] * len(extra) + list(p["extensives"])
-    return list(type(hi_prim(eqn))(ext, p["length"], body, p["reverse"], p["unroll"])([*extra, *invals]))
+    return list(type(prim)(ext, p["length"], body, p["reverse"], p["unroll"])([*extra, *invals]))
 
 
 def is_checkpoint_name(eqn: Any) -> bool:
     """A ``checkpoint_name`` under ``jax_remat3`` (``CheckpointName`` / ``CheckpointNameFwd``)."""
-    prim = hi_prim(eqn)
+    prim: Any = hi_prim(eqn)
     return _is_a(prim, CheckpointName) or _is_a(prim, CheckpointNameFwd)
 
 
 def checkpoint_name_bind(eqn: Any, x: Any) -> list[Any]:
     """The ``checkpoint_name`` of ``eqn`` applied to ``x`` in the dtype ``x`` has."""
-    prim = hi_prim(eqn)
+    prim: Any = hi_prim(eqn)
     return [type(prim)(prim.params["name"], typeof(x))(x)]
 
 
@@ -815,7 +817,7 @@ def narrow_body(eqn: Any) -> Any | None:
     parts = remat_parts(eqn)
     if parts is not None:
         return parts[0]
-    prim = hi_prim(eqn)
+    prim: Any = hi_prim(eqn)
     return prim.traced.jaxpr if _is_a(prim, CustomJVPTraced) else None
 
 

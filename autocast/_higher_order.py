@@ -122,7 +122,10 @@ def checkpoint_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool
 def checkpoint(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     """A checkpoint (``checkpoint`` or ``RematTraced``): its body specialised to the arriving
     dtypes, rebuilt with the same policy and ``prevent_cse``."""
-    body, policy = _compat.remat_parts(eqn)
+    parts = _compat.remat_parts(eqn)
+    if parts is None:
+        return hi_original(ctx, eqn, invals, in_free, scopes)
+    body, policy = parts
     if policy is not None:
         # a checkpoint that may save matmul results: keep them in half precision
         ctx = ctx.without_widening()

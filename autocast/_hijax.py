@@ -47,7 +47,10 @@ def _checkpoint_name(ctx: Context, eqn: Any, invals: list, in_free: list, scopes
 def _scan3(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     """``Scan3``: the body specialised to the arriving dtypes; its outputs (the stacked
     ``ys``) keep the dtypes the body computes."""
-    body, _ = _compat.scan3_parts(eqn)
+    parts = _compat.scan3_parts(eqn)
+    if parts is None:
+        return hi_original(ctx, eqn, invals, in_free, scopes)
+    body, _ = parts
     in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
     free = [False if _compat.is_ref(x) else f for x, f in zip(invals, in_free)]
     new, extra, out_free = transform_jaxpr(ctx, body, in_dtypes, free, scopes, out_float32=out32)

@@ -197,7 +197,8 @@ def test_custom_rules_receive_values_as_they_arrive(flags):
     custom = [
         str(e.invars[0].aval.dtype)
         for e, _ in _eqns(jax.make_jaxpr(amp_f)(w, x))
-        if e.primitive.name in ("custom_jvp_call", "custom_vjp_call") or _compat.hi_name(e) in ("CustomJVPTraced", "CustomVJPTraced")
+        if e.primitive.name in ("custom_jvp_call", "custom_vjp_call")
+        or _compat.hi_name(e) in ("CustomJVPTraced", "CustomVJPTraced")
     ]
     assert len(custom) >= 4 and set(custom) == {"float16"}, custom  # two matmuls' own, act, scale_grad
     g = jax.grad(amp_f)(w, x)
