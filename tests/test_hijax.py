@@ -487,3 +487,48 @@ def test_softmax_custom_jvp_saves_what_the_plain_softmax_saves(extra):
         g = jax.grad(amp_f, argnums=(0, 1))(w, w2, x)
     assert got == want
     assert tree_max_rel_err(g, jax.grad(f, argnums=(0, 1))(w, w2, x)) < 2e-2
+
+
+def _relu_operand_dtypes(fn, *args):
+    """Operand dtypes of relu's custom JVP calls (old encoding or hijax), in order."""
+    out = []
+    for e, _ in _eqns(jax.make_jaxpr(fn)(*args)):
+        if e.primitive.name == "custom_jvp_call":
+            body = _compat.open_and_consts(e.params["call_jaxpr"])[0]
+        elif _compat.hi_name(e) == "CustomJVPTraced":
+            body = _compat.open_and_consts(_compat.hi_prim(e).traced.jaxpr)[0]
+        else:
+            continue
+        inner = [b.primitive.name for b, _ in _eqns(body)]
+        if "max" in inner and "dot_general" not in inner:  # relu, not a matmul's own custom JVP
+            out.append(str(e.invars[0].aval.dtype))
+    return out
+
+
+def test_the_planner_sees_through_hijax_bodies(flags):
+    """relu after a norm: its custom JVP body passes its input on to a matmul, so the norm's
+    float32 result is rounded before the relu (half operand, half residual); a relu whose
+    consumer reads float32 joins the norm's island (float32 operand, recomputed)."""
+    rng = np.random.default_rng(11)
+    w1 = jnp.asarray(rng.standard_normal((16, 64), dtype=np.float32)) / 4
+    w2 = jnp.asarray(rng.standard_normal((64, 64), dtype=np.float32)) / 8
+    x = jnp.asarray(rng.standard_normal((256, 16), dtype=np.float32))
+
+    def bn(h):
+        mu = h.mean(0, keepdims=True)
+        return (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(0, keepdims=True) + 1e-5)
+
+    def f(w1, w2, x):
+        h = jax.checkpoint(lambda h: jax.nn.relu(bn(h @ w1)) @ w2)(x)
+        h = jax.nn.relu(bn(h))
+        return jnp.sum(h.mean(0))
+
+    amp_f = autocast.amp(f, compute_dtype=jnp.float16)
+    got = _relu_operand_dtypes(amp_f, w1, w2, x)
+    res = _residuals(amp_f, w1, w2, x)
+    with flags_set(flags, False):
+        want = _relu_operand_dtypes(autocast.amp(f, compute_dtype=jnp.float16), w1, w2, x)
+        want_res = _residuals(autocast.amp(f, compute_dtype=jnp.float16), w1, w2, x)
+    assert got == want == ["float16", "float32"], (got, want)
+    assert res == want_res
+    assert not [r for r in res if r[0] == (256, 64) and r[1] == "float32"], res
