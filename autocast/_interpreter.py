@@ -456,9 +456,26 @@ def _eval_island(
         out_free[:] = [local[v][1] for v in outputs]
         return [local[v][0] for v in outputs]
 
-    outs = _compat.checkpoint(island, save)(*[x for x, _ in in_vals])
+    dead = _tangent_free(eqns, inputs, outputs)
+    args = [lax.stop_gradient(x) if v in dead else x for v, (x, _) in zip(inputs, in_vals)]
+    outs = _compat.checkpoint(island, save)(*args)
     for v, x, f in zip(outputs, outs, out_free):
         env[v] = (x, f)
+
+
+def _tangent_free(eqns: Sequence[Any], inputs: Sequence[Any], outputs: Sequence[Any]) -> set:
+    """The float inputs of an island whose tangent it never uses: read only through
+    ``stop_gradient`` or into non-float results (a softmax's ``max``). They enter its
+    checkpoint through ``stop_gradient``: JAX's ``jax_remat3`` checkpoint keeps the tangent of
+    every input alive, and with it the residuals of the JVP that made it (the ``max``'s mask,
+    the size of the logits)."""
+    needs = set(outputs)
+    for eqn in reversed(eqns):
+        if eqn.primitive.name == "stop_gradient":
+            continue
+        if any(v in needs and _dtypes.is_floating(v.aval.dtype) for v in eqn.outvars):
+            needs.update(v for v in eqn.invars if not isinstance(v, _compat.Literal))
+    return {v for v in inputs if v not in needs and _dtypes.is_floating(v.aval.dtype)}
 
 
 def transform_jaxpr(
