@@ -6,7 +6,7 @@ scalers and scaled-gradient wrappers make float16 training safe. ``autocast.comp
 holds drop-in versions of the jmp, MPX and jaxamp APIs.
 """
 
-from . import _higher_order  # noqa: F401  (registers the higher-order handlers)
+from . import _higher_order, _hijax  # noqa: F401  (register the higher-order handlers)
 from ._amp import amp as amp
 from ._explain import Explanation as Explanation
 from ._explain import explain as explain

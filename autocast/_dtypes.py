@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _compat
+
 # The only dtypes autocast ever casts from or to. float64, complex, float8, integers,
 # booleans and PRNG keys are never touched.
 CASTABLE = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
@@ -133,7 +135,7 @@ def cast(x: Any, dtype: Any) -> Any:
     """
     dtype = np.dtype(dtype)
     src = dtype_of(x)
-    if src == dtype or not is_castable(src) or not is_castable(dtype):
+    if src == dtype or not is_castable(src) or not is_castable(dtype) or _compat.is_ref(x):
         return x
     memo = _cast_memo.get()
     if memo is not None:

@@ -14,7 +14,8 @@ trip through float32 at each boundary would cost memory and converts:
   operands arrive in; outputs keep whatever dtype the body computes. Operands the body
   consumes only in float32 (through gathers, slices, additions) are cast once, outside.
 - ``custom_jvp_call`` / ``custom_vjp_call``: rebuilt through ``jax.custom_jvp`` /
-  ``jax.custom_vjp``. The body, the JVP rule and the forward rule run in the dtypes their
+  ``jax.custom_vjp`` (their pieces, and those of the hijax encodings that
+  :mod:`autocast._hijax` dispatches here, come through ``_compat`` adapters). The body, the JVP rule and the forward rule run in the dtypes their
   operands arrive in, under the same policy; the user's ``bwd`` is called with the
   residuals and cotangents as they arrive, and adapted at its boundary if it cannot take
   them. So ``relu(x16)`` stays half and saves half (or boolean) residuals.
@@ -30,6 +31,7 @@ trip through float32 at each boundary would cost memory and converts:
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,9 +89,6 @@ def _generic(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple,
 def _call_like(param: str) -> Handler:
     def handler(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
         params = dict(eqn.params)
-        if params.get("policy") is not None:
-            # a checkpoint that may save matmul results: keep them in half precision
-            ctx = ctx.without_widening()
         in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
         new, extra, out_free = transform_jaxpr(
             ctx, params[param], in_dtypes, in_free, scopes, out_float32=out32, out_narrow=ctx.out_narrow
@@ -110,8 +109,36 @@ def _body_pulls(param: str):
     return pulls
 
 
-for _prim, _param in ((_compat.jit_p, "jaxpr"), (_compat.closed_call_p, "call_jaxpr"), (_compat.remat_p, "jaxpr")):
+for _prim, _param in ((_compat.jit_p, "jaxpr"), (_compat.closed_call_p, "call_jaxpr")):
     register_higher_order(_prim, pulls=_body_pulls(_param), body=_param)(_call_like(_param))
+
+
+def checkpoint_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
+    """The pull rule of a checkpoint (``checkpoint`` or ``RematTraced``)."""
+    parts = _compat.remat_parts(eqn)
+    if parts is None:
+        return [False] * len(eqn.invars)
+    return _plan.input_pulls(ctx, parts[0], scopes, out32)
+
+
+def checkpoint(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
+    """A checkpoint (``checkpoint`` or ``RematTraced``): its body specialised to the arriving
+    dtypes, rebuilt with the same policy and ``prevent_cse``."""
+    parts = _compat.remat_parts(eqn)
+    if parts is None:
+        return hi_original(ctx, eqn, invals, in_free, scopes)
+    body, policy = parts
+    if policy is not None:
+        # a checkpoint that may save matmul results: keep them in half precision
+        ctx = ctx.without_widening()
+    in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
+    new, extra, out_free = transform_jaxpr(
+        ctx, body, in_dtypes, in_free, scopes, out_float32=out32, out_narrow=ctx.out_narrow
+    )
+    return _compat.remat_bind(eqn, new, extra, invals), out_free
+
+
+register_higher_order(_compat.remat_p, pulls=checkpoint_pulls, body="jaxpr")(checkpoint)
 
 
 # --- custom derivatives: body and rules in the arriving dtypes ------------------------------
@@ -152,35 +179,54 @@ def _zero_tangent(aval: Any) -> Any:
     return np.zeros(aval.shape, jax.dtypes.float0)
 
 
-@register_higher_order(_compat.custom_jvp_call_p, body="call_jaxpr")
-def _custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
-    """``custom_jvp_call`` rebuilt with ``jax.custom_jvp``: the body specialised to the
-    arriving dtypes, and a JVP rule that evaluates the user's rule (the jaxpr JAX traced
-    for it) with the same policy on the arriving primals and tangents. Its outputs are cast
-    to the body's output dtypes, which ``custom_jvp`` requires."""
-    params = eqn.params
-    rule_thunk = params.get("jvp_jaxpr_fun")
-    if not hasattr(rule_thunk, "call_wrapped"):
-        return _generic(ctx, eqn, invals, in_free, scopes)
-    n = params["num_consts"]
-    body, out_avals, out_free, _ = _specialised(ctx, eqn, params["call_jaxpr"], invals, in_free, scopes, out32)
+_probing: contextvars.ContextVar[bool] = contextvars.ContextVar("autocast_probing_rule", default=False)
+
+
+def rule_computes_in_float32(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> bool:
+    """Whether the JVP rule of a custom JVP computes in float32 (softplus: ``exp(x -
+    softplus(x))``): its call is then recomputed in the backward pass from the
+    half-precision primals instead of saving the rule's float32 intermediates, as any other
+    float32 island (the planner makes it part of one; memoised per equation)."""
+    if not ctx.remat or _probing.get():
+        return False  # a rule that calls its own function (softmax's) is not probed again
+
+    def build():
+        parts = _compat.custom_jvp_parts(eqn)
+        if parts is None:
+            return False
+        jaxpr, _, _ = parts.rule([False] * (len(eqn.invars) - parts.n_consts))
+        rule_out32 = [*out32, *[False] * (len(jaxpr.outvars) - len(out32))]
+        token = _probing.set(True)
+        try:
+            return any(_plan.plan(ctx, jaxpr, scopes, rule_out32)[1])
+        finally:
+            _probing.reset(token)
+
+    return ctx.cached(("rule32", scopes, tuple(map(bool, out32))), eqn, build)
+
+
+def custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
+    """A custom JVP (``custom_jvp_call`` or ``CustomJVPTraced``) rebuilt with
+    ``jax.custom_jvp``: the body specialised to the arriving dtypes, and a JVP rule that
+    evaluates the user's rule (the jaxpr JAX traces for it) with the same policy on the
+    arriving primals and tangents. Its outputs are cast to the body's output dtypes, which
+    ``custom_jvp`` requires. A rule that computes in float32 is recomputed in the backward
+    pass: a checkpoint around the call (JAX cannot linearize a checkpoint inside a custom
+    JVP rule under ``jax_remat3``)."""
+    parts = _compat.custom_jvp_parts(eqn)
+    if parts is None:
+        return hi_original(ctx, eqn, invals, in_free, scopes)
+    n = parts.n_consts
+    body, out_avals, out_free, _ = _specialised(ctx, eqn, parts.body, invals, in_free, scopes, out32)
+    rule_ctx = ctx.without_islands()
 
     def rule(primals, tangents):
         tangents = list(tangents[n:])  # like JAX: constants of the body carry no tangent
         zeros = [_compat.is_zero(t) for t in tangents]
-        jaxpr, consts, out_zeros = _compat.call_jvp_rule_thunk(rule_thunk, zeros)
-        args = [*primals[n:], *(t for t, z in zip(tangents, zeros) if not z)]
+        jaxpr, consts, out_zeros = parts.rule(zeros)
+        args = [*primals[parts.rule_skip :], *(t for t, z in zip(tangents, zeros) if not z)]
         rule_out32 = [*out32, *[False] * (len(jaxpr.outvars) - len(out32))]
-
-        def run(*args):
-            return eval_jaxpr(ctx, jaxpr, consts, args, [False] * len(args), scopes, rule_out32)[0]
-
-        if ctx.remat and any(_plan.plan(ctx, jaxpr, scopes, rule_out32)[1]):
-            # the rule computes in float32 (softplus: exp(x - softplus(x))): recompute it in
-            # the backward pass from the half-precision primals instead of saving its
-            # float32 intermediates, as for any other float32 island
-            run = _compat.checkpoint(run)
-        outs = run(*args)
+        outs = eval_jaxpr(rule_ctx, jaxpr, consts, args, [False] * len(args), scopes, rule_out32)[0]
         k = len(out_avals)
         primals_out = [_cast_castable(x, a.dtype) for x, a in zip(outs[:k], out_avals)]
         nonzero = iter(outs[k:])
@@ -190,28 +236,32 @@ def _custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tup
         return primals_out, tangents_out
 
     call = jax.custom_jvp(body)
-    call.defjvp(rule, symbolic_zeros=bool(params.get("symbolic_zeros", False)))
+    call.defjvp(rule, symbolic_zeros=parts.symbolic_zeros)
+    if not ctx.recomputed and rule_computes_in_float32(ctx, eqn, scopes, out32):
+        # not in a recomputed island: a checkpoint of its own
+        return list(_compat.checkpoint(lambda *args: list(call(*args)))(*invals)), out_free
     return list(call(*invals)), out_free
 
 
-@register_higher_order(_compat.custom_vjp_call_p)
-def _custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
-    """``custom_vjp_call`` rebuilt with ``jax.custom_vjp``: the body and the forward rule
-    (the jaxpr JAX traced for the user's ``fwd``) run with the same policy in the arriving
-    dtypes, so residuals may be half precision. The user's ``bwd`` is called with the
-    residuals and cotangents as they arrive; if it raises, it is called again with them
-    cast to the traced dtypes. Its cotangents are cast to the dtypes the operands arrived
-    in, so a rule's own arithmetic (a clip, a straight-through estimator, a scale) applies
-    exactly as written."""
-    params = eqn.params
-    fwd_thunk, bwd, out_trees = params.get("fwd_jaxpr_thunk"), params.get("bwd"), params.get("out_trees")
-    if not (hasattr(fwd_thunk, "call_wrapped") and hasattr(bwd, "call_wrapped") and callable(out_trees)):
-        return _generic(ctx, eqn, invals, in_free, scopes)
-    n = params["num_consts"]
-    symbolic = bool(params.get("symbolic_zeros", False))
+register_higher_order(_compat.custom_jvp_call_p, body="call_jaxpr", float32_call=rule_computes_in_float32)(custom_jvp)
+
+
+def custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
+    """A custom VJP (``custom_vjp_call`` or ``CustomVJPTraced``) rebuilt with
+    ``jax.custom_vjp``: the body and the forward rule (the jaxpr JAX traces for the user's
+    ``fwd``) run with the same policy in the arriving dtypes, so residuals may be half
+    precision. The user's ``bwd`` is called with the residuals and cotangents as they
+    arrive; if it raises, it is called again with them cast to the traced dtypes. Its
+    cotangents are cast to the dtypes the operands arrived in, so a rule's own arithmetic
+    (a clip, a straight-through estimator, a scale) applies exactly as written."""
+    parts = _compat.custom_vjp_parts(eqn)
+    if parts is None:
+        return hi_original(ctx, eqn, invals, in_free, scopes)
+    n = parts.n_consts
+    symbolic = parts.symbolic_zeros
     traced_in = original_dtypes(eqn)
     traced_out = [v.aval.dtype for v in eqn.outvars]
-    body, out_avals, out_free, in_dtypes = _specialised(ctx, eqn, params["call_jaxpr"], invals, in_free, scopes, out32)
+    body, out_avals, out_free, in_dtypes = _specialised(ctx, eqn, parts.body, invals, in_free, scopes, out32)
     traced_res: list[Any] = []
 
     def fwd(*args):
@@ -219,11 +269,11 @@ def _custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tup
         perturbed = [bool(a.perturbed) for a in args]
         if any(perturbed[:n]):
             raise _compat.CustomVJPException()  # JAX's own error: a closed-over value is differentiated
-        jaxpr, consts = fwd_thunk.call_wrapped(*perturbed[n:])
-        _, res_tree, input_fwds = out_trees()
-        n_res = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+        jaxpr, consts, input_fwds = parts.fwd(perturbed[n:])
+        n_res = sum(f is None for f in input_fwds)
         out32_fwd = [*[False] * n_res, *out32]
-        outs, _ = eval_jaxpr(ctx, jaxpr, consts, vals[n:], [False] * len(vals[n:]), scopes, out32_fwd)
+        fwd_args = vals[parts.fwd_skip :]
+        outs, _ = eval_jaxpr(ctx, jaxpr, consts, fwd_args, [False] * len(fwd_args), scopes, out32_fwd)
         res_iter, res_dt = iter(outs[:n_res]), iter(v.aval.dtype for v in jaxpr.outvars[:n_res])
         res, dts = [], []
         for f in input_fwds:
@@ -235,7 +285,7 @@ def _custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tup
     def call_bwd(res, cts, res_dtypes, ct_dtypes):
         res = [_cast_castable(r, d) for r, d in zip(res, res_dtypes)]
         cts = [c if _compat.is_zero(c) else _cast_castable(c, d) for c, d in zip(cts, ct_dtypes)]
-        return _compat.call_custom_bwd(bwd, res, cts)
+        return parts.bwd(res, cts)
 
     def bwd_rule(res, cts):
         cts = list(cts)
@@ -251,6 +301,21 @@ def _custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tup
     call = jax.custom_vjp(body)
     call.defvjp(fwd, bwd_rule, symbolic_zeros=True)
     return list(call(*invals)), out_free
+
+
+register_higher_order(_compat.custom_vjp_call_p)(custom_vjp)
+
+
+def hi_original(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool] = ()):
+    """An equation whose bodies autocast does not transform: ``call_hi_primitive`` of an
+    opaque construct (its operands back in their traced dtypes, bound as is; refs are
+    never cast), else the generic path."""
+    if _compat.hi_prim(eqn) is None:
+        return _generic(ctx, eqn, invals, in_free, scopes)
+    orig = original_dtypes(eqn)
+    invals = [_dtypes.cast(x, d) if _dtypes.is_castable(d) else x for x, d in zip(invals, orig)]
+    outs = _compat.bind(eqn.primitive, invals, dict(eqn.params))
+    return outs, [False] * len(outs)
 
 
 # --- loops: carries keep the dtype of their initial value (or the unrolled loop's) ----

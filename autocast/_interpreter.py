@@ -112,6 +112,9 @@ class Context:
         # whether the cotangent of a matmul operand narrowed from float32 (a parameter) is
         # accumulated in float32 (``_wide``); off: in the compute dtype (less bandwidth)
         self.float32_cotangents = True
+        # whether evaluation is inside a recomputed island's checkpoint (a custom JVP call
+        # that computes in float32 then needs no checkpoint of its own)
+        self.recomputed = False
         self.lookup = Lookup(policy)
         self._jaxpr_cache: dict[Any, Any] = {}
         self._keep_alive: list[Any] = []
@@ -137,9 +140,23 @@ class Context:
         other.widen = False
         return other
 
+    def without_islands(self) -> Context:
+        """This context (same caches), finding no float32 islands: for a custom JVP rule,
+        whose call is recomputed as a whole instead (JAX cannot linearize a checkpoint
+        inside a custom JVP rule under ``jax_remat3``)."""
+        other = copy.copy(self)
+        other.remat = False
+        return other
+
+    def inside_recomputed_island(self) -> Context:
+        """This context (same caches), for evaluation inside a recomputed island."""
+        other = copy.copy(self)
+        other.recomputed = True
+        return other
+
     def cached(self, key: tuple, jaxpr_like: Any, build):
         """Memoise a sub-jaxpr rewrite on (jaxpr object, dtypes, scopes, ...)."""
-        full_key = (id(jaxpr_like), self.widen, *key)
+        full_key = (id(jaxpr_like), self.widen, self.remat, self.recomputed, *key)
         if full_key not in self._jaxpr_cache:
             self._keep_alive.append(jaxpr_like)  # keeps id() unique while cached
             self._jaxpr_cache[full_key] = build()
@@ -334,6 +351,8 @@ def _eval_eqn(
                 for x, p, v in zip(invals, pulls, eqn.invars)
             ]
             hctx = ctx.narrowing(outn) if any(outn) else ctx
+            if island is not None and island[1] and not ctx.recomputed:
+                hctx = hctx.inside_recomputed_island()
             outs, out_free = handler(hctx, eqn, invals, in_free, eqn_scopes, out32)
         else:
             outs, out_free, bound = _apply_rule(ctx, eqn, rule, invals, in_free, widen)
@@ -451,9 +470,26 @@ def _eval_island(
         out_free[:] = [local[v][1] for v in outputs]
         return [local[v][0] for v in outputs]
 
-    outs = _compat.checkpoint(island, save)(*[x for x, _ in in_vals])
+    dead = _tangent_free(eqns, inputs, outputs)
+    args = [lax.stop_gradient(x) if v in dead else x for v, (x, _) in zip(inputs, in_vals)]
+    outs = _compat.checkpoint(island, save)(*args)
     for v, x, f in zip(outputs, outs, out_free):
         env[v] = (x, f)
+
+
+def _tangent_free(eqns: Sequence[Any], inputs: Sequence[Any], outputs: Sequence[Any]) -> set:
+    """The float inputs of an island whose tangent it never uses: read only through
+    ``stop_gradient`` or into non-float results (a softmax's ``max``). They enter its
+    checkpoint through ``stop_gradient``: JAX's ``jax_remat3`` checkpoint keeps the tangent of
+    every input alive, and with it the residuals of the JVP that made it (the ``max``'s mask,
+    the size of the logits)."""
+    needs = set(outputs)
+    for eqn in reversed(eqns):
+        if eqn.primitive.name == "stop_gradient":
+            continue
+        if any(v in needs and _dtypes.is_floating(v.aval.dtype) for v in eqn.outvars):
+            needs.update(v for v in eqn.invars if not isinstance(v, _compat.Literal))
+    return {v for v in inputs if v not in needs and _dtypes.is_floating(v.aval.dtype)}
 
 
 def transform_jaxpr(

@@ -231,7 +231,7 @@ class _Checker:
         if (
             name in _REARRANGING
             or any(_compat.is_jaxpr_like(v) for v in eqn.params.values())
-            or any(_compat.is_ref(v.aval) for v in (*eqn.invars, *eqn.outvars))
+            or any(_compat.is_ref_aval(v.aval) for v in (*eqn.invars, *eqn.outvars))
         ):
             return  # moves half values without computing new ones / a combiner typed for half / state
         if name == "convert_element_type":  # the reference of a cast is its input

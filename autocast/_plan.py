@@ -207,8 +207,12 @@ def _plan(
             outs32 = any(v.aval.dtype == _dtypes.FLOAT32 for v in eqn.outvars)
             if kind == HIGHER:
                 # a call fed by the island (relu after a norm) joins it: its own residuals
-                # (relu's zeros_like, a float32 activation) are recomputed too
-                joins = eqn.primitive in _registry.NARROW_BODIES and any(v in f32 for v in ins)
+                # (relu's zeros_like, a float32 activation) are recomputed too; so does a
+                # call that computes in float32 itself (softplus's custom JVP rule)
+                eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
+                joins = (any(v in f32 for v in ins) and _registry.narrow_body(eqn) is not None) or (
+                    _registry.computes_in_float32(ctx, eqn, eqn_scopes, rule[1])
+                )
             else:
                 joins = (
                     rule is _rules.use_float32_precision
@@ -237,10 +241,10 @@ def _narrowed(ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], out_na
             flags = [True] * len(eqn.invars)
         elif kind == RULE and rule is _rules.use_input_precision and eqn.primitive.name in COMMUTES_WITH_ROUNDING:
             flags = [outs_ok] * len(eqn.invars)
-        elif kind == HIGHER and eqn.primitive in _registry.NARROW_BODIES:
+        elif kind == HIGHER and (body := _registry.narrow_body(eqn)) is not None:
             out_n = [isinstance(v, _compat.DropVar) or ok.get(v, False) for v in eqn.outvars]
             eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
-            flags = narrow_inputs(ctx, eqn.params[_registry.NARROW_BODIES[eqn.primitive]], eqn_scopes, out_n)
+            flags = narrow_inputs(ctx, body, eqn_scopes, out_n)
         else:
             flags = [False] * len(eqn.invars)
         for v, flag in zip(eqn.invars, flags):

@@ -38,19 +38,30 @@ HIGHER_ORDER_RULES: dict[Any, Handler] = {}
 PULL_RULES: dict[Any, PullRule] = {}
 """Primitive -> pull rule (primitives without one pull nothing across their boundary)."""
 
-NARROW_BODIES: dict[Any, str] = {}
+NARROW_BODIES: dict[Any, str | Callable[[Any], Any]] = {}
 """Primitive -> the parameter holding a body whose invars are the operands, one to one,
 and whose handler lets half-precision operands in (the planner looks through it to see
-whether an operand reaches only half-precision consumers: ``relu``'s ``custom_jvp``)."""
+whether an operand reaches only half-precision consumers: ``relu``'s ``custom_jvp``); or a
+function of the equation returning that body or None (``call_hi_primitive``: it depends on
+the construct the equation holds). See :func:`narrow_body`."""
+
+FLOAT32_CALLS: dict[Any, Callable[..., bool]] = {}
+"""Primitive -> ``test(ctx, eqn, scopes, out_float32)``: whether the equation computes in
+float32 as a whole (a custom JVP whose rule does, softplus's). The planner makes such an
+equation part of a float32 island, recomputed in the backward pass like any other."""
 
 _fallback: list[Handler] = []
 
 
 def register_higher_order(
-    prim: Any, *, pulls: PullRule | None = None, body: str | None = None
+    prim: Any,
+    *,
+    pulls: PullRule | None = None,
+    body: str | Callable[[Any], Any] | None = None,
+    float32_call: Callable[..., bool] | None = None,
 ) -> Callable[[Handler], Handler]:
     """Register ``handler`` for ``prim`` (a no-op when this JAX has no such primitive);
-    ``body``: see :data:`NARROW_BODIES`."""
+    ``body``: see :data:`NARROW_BODIES`; ``float32_call``: see :data:`FLOAT32_CALLS`."""
 
     def register(handler: Handler) -> Handler:
         if prim is not None:
@@ -59,6 +70,8 @@ def register_higher_order(
                 PULL_RULES[prim] = pulls
             if body is not None:
                 NARROW_BODIES[prim] = body
+            if float32_call is not None:
+                FLOAT32_CALLS[prim] = float32_call
         return handler
 
     return register
@@ -77,6 +90,20 @@ def jaxpr_params(params: dict[str, Any]) -> list[str]:
         if _compat.is_jaxpr_like(val) or (type(val) is tuple and val and all(_compat.is_jaxpr_like(v) for v in val)):
             keys.append(key)
     return keys
+
+
+def narrow_body(eqn: Any) -> Any | None:
+    """The body :data:`NARROW_BODIES` names for ``eqn``, or None."""
+    body = NARROW_BODIES.get(eqn.primitive)
+    if body is None:
+        return None
+    return eqn.params[body] if isinstance(body, str) else body(eqn)
+
+
+def computes_in_float32(ctx: Any, eqn: Any, scopes: tuple, out_float32: Any) -> bool:
+    """See :data:`FLOAT32_CALLS` (False for a primitive without such a test)."""
+    test = FLOAT32_CALLS.get(eqn.primitive)
+    return test is not None and bool(test(ctx, eqn, scopes, out_float32))
 
 
 def handler_for(eqn: Any) -> Handler | None:
