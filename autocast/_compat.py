@@ -213,14 +213,18 @@ def constvars_to_invars(jaxpr: Any) -> Any:
     return _pe.convert_constvars_jaxpr(jaxpr)
 
 
-def checkpoint(fun: Callable, save: frozenset[str] = frozenset()) -> Callable:
-    """``jax.checkpoint`` saving only the outputs of the primitives named in ``save``:
-    everything else inside is recomputed in the backward pass."""
-    if not save:
-        return jax.checkpoint(fun, prevent_cse=True, policy=None)
+SAVED_NAME = "autocast_saved"
+"""``jax.ad_checkpoint.checkpoint_name`` of values every autocast checkpoint saves (the
+float8 operands and scales of an fp8 matmul: recomputing them costs more than keeping them)."""
 
-    def policy(prim: Any, *_: Any, **__: Any) -> bool:
-        return prim.name in save
+
+def checkpoint(fun: Callable, save: frozenset[str] = frozenset()) -> Callable:
+    """``jax.checkpoint`` saving only the outputs of the primitives named in ``save`` and
+    the values named :data:`SAVED_NAME`: everything else inside is recomputed in the
+    backward pass."""
+
+    def policy(prim: Any, *_: Any, **params: Any) -> bool:
+        return prim.name in save or (prim.name == "name" and params.get("name") == SAVED_NAME)
 
     return jax.checkpoint(fun, prevent_cse=True, policy=policy)
 

@@ -6,7 +6,7 @@ like :func:`autocast.use_compute_precision` (a matmul in the compute dtype) and 
 :func:`fp8_dot_general`:
 
 - forward: each operand quantized to ``float8_e4m3fn`` with its own per-tensor *current*
-  scale (``amax / fp8 max``, amax in float32; 1 where amax is 0; values clipped before the
+  scale (``amax / fp8 max``, amax in float32; q 0 where amax is 0; values clipped before the
   cast), the fp8 operands passed to ``lax.dot_general`` with a float32
   ``preferred_element_type``, the product multiplied by ``sx * sw`` and stored in the
   compute dtype (the form XLA-GPU rewrites into a cuBLASLt fp8 GEMM);
@@ -39,8 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
-from . import _dtypes
+from . import _compat, _dtypes
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -61,7 +62,7 @@ _seen_free: contextvars.ContextVar[Sequence[bool] | None] = contextvars.ContextV
 def quantize(x: Any, dtype: Any = E4M3) -> tuple[jax.Array, jax.Array]:
     """Per-tensor current scaling: ``(q, scale)`` with ``q = clip(x / scale)`` in ``dtype``.
 
-    ``scale = amax(|x|) / max(dtype)`` computed in float32, 1 where amax is 0. An inf or
+    ``scale = amax(|x|) / max(dtype)`` computed in float32 (0, and q 0, where amax is 0). An inf or
     NaN in ``x`` gives a non-finite scale (inf or NaN), so whatever is computed from ``q``
     and ``scale`` is non-finite too.
     """
@@ -69,8 +70,8 @@ def quantize(x: Any, dtype: Any = E4M3) -> tuple[jax.Array, jax.Array]:
     fmax = float(jnp.finfo(dtype).max)
     x32 = lax.convert_element_type(x, np.float32)
     amax = jnp.max(jnp.abs(x32))
-    scale = jnp.where(amax == 0, jnp.float32(1.0), amax / fmax)
-    q = jnp.clip(x32 / scale, -fmax, fmax).astype(dtype)
+    scale = amax / fmax
+    q = jnp.clip(jnp.where(amax > 0, x32 / scale, 0.0), -fmax, fmax).astype(dtype)
     return q, scale
 
 
@@ -118,7 +119,9 @@ def _forward(x, w, dimension_numbers, out_dtype):
     qx, sx = quantize(x, E4M3)
     qw, sw = quantize(w, E4M3)
     y = lax.dot_general(qx, qw, dimension_numbers, preferred_element_type=np.float32)
-    return (y * (sx * sw)).astype(out_dtype), (qx, sx, qw, sw)
+    # named: an island checkpoint (remat_float32) that holds this matmul saves them
+    res = tuple(checkpoint_name(r, _compat.SAVED_NAME) for r in (qx, sx, qw, sw))
+    return (y * sx * sw).astype(out_dtype), res
 
 
 def _make(dimension_numbers, out_dtype, x_dtype, w_dtype):
@@ -132,8 +135,8 @@ def _make(dimension_numbers, out_dtype, x_dtype, w_dtype):
     def bwd(res, g):
         qx, sx, qw, sw = res
         qg, sg = quantize(g, E5M2)
-        dx = _transpose_lhs(qg, qx.ndim, qw, dimension_numbers) * (sg * sw)
-        dw = _transpose_rhs(qg, qx, qw.ndim, dimension_numbers) * (sg * sx)
+        dx = _transpose_lhs(qg, qx.ndim, qw, dimension_numbers) * sg * sw
+        dw = _transpose_rhs(qg, qx, qw.ndim, dimension_numbers) * sg * sx
         return dx.astype(x_dtype), dw.astype(w_dtype)
 
     fp8_dot.defvjp(fwd, bwd)

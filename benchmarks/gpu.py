@@ -22,6 +22,7 @@ the command. ``--smoke`` runs the same code with tiny sizes (a few seconds on a 
 test suite runs it). From the repository root::
 
     bash benchmarks/run_gpu.sh            # = PYTHONPATH=. python -m benchmarks.gpu
+    bash benchmarks/run_gpu.sh --target h100   # compiled for an H100 without one (benchmarks/gpu_target.py)
     bash benchmarks/run_gpu.sh --models gpt2-small --repeats 50
     python -m benchmarks.gpu --smoke --out-dir /tmp/gpu-smoke
 """
@@ -412,10 +413,21 @@ def _parse(argv):
         help="each system in its own process, for its peak device memory (auto: on a GPU/TPU)",
     )
     ap.add_argument("--out-dir", default=None, help="where the results go (default: benchmarks/results)")
+    ap.add_argument(
+        "--target",
+        choices=("h100",),
+        default=None,
+        help="compile for this GPU without one (deviceless; needs the jax-cuda plugin): kernels, GEMMs, memory",
+    )
+    ap.add_argument(
+        "--batch-mults", nargs="+", type=int, default=[1, 4], help="--target: batch sizes as multiples (default 1 4)"
+    )
     ap.add_argument("--_child", nargs=2, metavar=("MODEL", "SYSTEM"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.repeats = args.repeats if args.repeats is not None else (3 if args.smoke else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
+    if any(m < 1 for m in args.batch_mults):
+        ap.error(f"--batch-mults: got {args.batch_mults}; each must be an integer >= 1")
     for flag, v, low in (("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0)):
         if v < low:
             ap.error(f"{flag}: got {v}; must be an integer >= {low}")
@@ -430,12 +442,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args._child:
         _child(*args._child, args.smoke, args.warmup, args.repeats)
         return {}
+    cmd = " ".join(["python -m benchmarks.gpu", *(argv if argv is not None else sys.argv[1:])])
+    if args.target:
+        from benchmarks import gpu_target
+
+        names = [n for n in args.systems if n != "mpx-bf16" or mpx_available()]
+        skipped = ["- mpx-bf16: skipped, `mpx` is not importable here."] if len(names) < len(args.systems) else []
+        return gpu_target.run(args, cmd, names, skipped)
     t0 = time.perf_counter()
     meta = C.metadata()
     backend = jax.default_backend()
     device = jax.devices()[0].device_kind
     isolate = args.isolate == "yes" or (args.isolate == "auto" and backend != "cpu")
-    cmd = " ".join(["python -m benchmarks.gpu", *(argv if argv is not None else sys.argv[1:])])
     names = list(args.systems)
     notes = []
     if "mpx-bf16" in names and not mpx_available():

@@ -65,9 +65,13 @@ def test_quantize_matches_ml_dtypes(dtype, scale):
     assert np.isfinite(deq).all() and np.max(np.abs(deq)) <= np.max(np.abs(x)) * 1.0001
 
 
-def test_quantize_zero_tensor_has_scale_one():
+def test_quantize_zero_tensor_gives_zero_product():
     q, s = _fp8.quantize(jnp.zeros((4, 4)), E4M3)
-    assert float(s) == 1.0 and not np.asarray(q, np.float32).any()
+    assert float(s) == 0.0 and not np.asarray(q, np.float32).any() and np.isfinite(np.asarray(q, np.float32)).all()
+    dn = (((1,), (0,)), ((), ()))
+    y, vjp = jax.vjp(lambda a, b: _fp8.fp8_dot_general(a, b, dn, jnp.float32), jnp.zeros((16, 16)), jnp.ones((16, 16)))
+    dx, dw = vjp(jnp.ones_like(y))
+    assert not np.asarray(y).any() and np.isfinite(np.asarray(dx)).all() and not np.asarray(dw).any()
 
 
 DNS = {
