@@ -82,12 +82,19 @@ class _Observer:
         self.records: list[_Record] = []
         # ids of the equations a float8 rule bound in float8 (``_fp8._Float8Rule.binder``)
         self.float8_eqns: set[int] = set()
+        # off once the program is transformed: rules JAX traces later (``jax.vjp`` below)
+        # run in copies of the context that still hold this observer
+        self.active = True
 
     def enter(self, eqn: Any) -> None:
+        if not self.active:
+            return
         self.stack.append(eqn)
         self.starts.append(len(self.records))
 
     def exit(self, eqn, kind, rule, scopes, arrived, bound, outs, island) -> None:
+        if not self.active:
+            return
         self.stack.pop()
         start = self.starts.pop()
         if kind == _plan.HIGHER:
@@ -480,7 +487,7 @@ def explain(
         ctx.observer = observer
         scopes = _compat.scope_names(_compat.current_name_stack())
         transformed = _transform(closed, dtype, policy, scopes, remat_float32, ctx=ctx)
-        ctx.observer = None  # custom rules traced later (by jax.vjp below) are not the program
+        observer.active = False  # custom rules traced later (by jax.vjp below) are not the program
         flops_amp, inter_amp, casts_amp = _costs(transformed)
         flops_32, inter_32, casts_32 = _costs(closed)
         islands = {id(r.island[0]): r.island[1] for r in observer.records if r.island is not None}

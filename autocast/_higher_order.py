@@ -131,6 +131,10 @@ def checkpoint(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tupl
     if policy is not None:
         # a checkpoint that may save matmul results: keep them in half precision
         ctx = ctx.without_widening()
+    elif not ctx.recomputed:
+        # it saves nothing and recomputes its body: its islands need no checkpoint of their
+        # own (under jax_remat3 a nested one is recomputed once more)
+        ctx = ctx.inside_recomputed_island()
     in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
     new, extra, out_free = transform_jaxpr(
         ctx, body, in_dtypes, in_free, scopes, out_float32=out32, out_narrow=ctx.out_narrow
@@ -170,7 +174,13 @@ def _specialised(
     )
     open_, consts = _compat.open_and_consts(new)
     fun = _compat.jaxpr_as_fun(_compat.close_jaxpr(open_, consts))
-    return (lambda *args: list(fun(*extra, *args))), [v.aval for v in open_.outvars], out_free, in_dtypes
+
+    def specialised(*args):
+        return list(fun(*extra, *args))
+
+    # the rebuilt custom_jvp/custom_vjp keeps the user's function name (jaxprs, explain)
+    specialised.__name__ = specialised.__qualname__ = _compat.fun_name(eqn) or "specialised"
+    return specialised, [v.aval for v in open_.outvars], out_free, in_dtypes
 
 
 def _zero_tangent(aval: Any) -> Any:

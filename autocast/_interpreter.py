@@ -112,8 +112,9 @@ class Context:
         # whether the cotangent of a matmul operand narrowed from float32 (a parameter) is
         # accumulated in float32 (``_wide``); off: in the compute dtype (less bandwidth)
         self.float32_cotangents = True
-        # whether evaluation is inside a recomputed island's checkpoint (a custom JVP call
-        # that computes in float32 then needs no checkpoint of its own)
+        # whether evaluation is inside a recomputed island's checkpoint or a user checkpoint
+        # that saves nothing (a custom JVP call that computes in float32, or an island, then
+        # needs no checkpoint of its own: it would be recomputed twice)
         self.recomputed = False
         self.lookup = Lookup(policy)
         self._jaxpr_cache: dict[Any, Any] = {}
@@ -149,7 +150,8 @@ class Context:
         return other
 
     def inside_recomputed_island(self) -> Context:
-        """This context (same caches), for evaluation inside a recomputed island."""
+        """This context (same caches), for evaluation inside a recomputed island (or a
+        checkpoint that saves nothing)."""
         other = copy.copy(self)
         other.recomputed = True
         return other
@@ -228,8 +230,10 @@ def _eval_eqns(
             j = i + 1
         else:
             j = _island_end(eqns, plan, island, i)
-            if all(_plan.is_linear(e) for e in eqns[i:j]) or (
-                ctx.remat_auto and not _worth_recomputing(eqns[i:j], lambda v: _nbytes(read(v)[0]))
+            if (
+                ctx.recomputed  # inside a recomputed island or checkpoint: recomputed already
+                or all(_plan.is_linear(e) for e in eqns[i:j])
+                or (ctx.remat_auto and not _worth_recomputing(eqns[i:j], lambda v: _nbytes(read(v)[0])))
             ):
                 marker = (object(), False)
                 for k in range(i, j):

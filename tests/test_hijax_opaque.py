@@ -1,6 +1,8 @@
 """Operations JAX encodes as opaque ``call_hi_primitive`` equations without any flag (JAX
 0.12: ``jnp.searchsorted``, ``jnp.nonzero``, ``jnp.frexp``, ``jnp.ldexp``,
-``lax.custom_root``) run as traced, in float32, under the ``"original"`` policy category:
+``lax.custom_root``) run as traced, in float32: ``call_hi_primitive`` is in the policy's
+``"recurse"`` category, and its handler binds a construct it does not know (anything but a
+checkpoint, custom derivative or ``Scan3``) with its operands back in their traced dtypes:
 exact operations (comparisons, exponent arithmetic) and a solver whose tolerance assumes
 float32. Their values are the float32 function's on the values they receive; integer
 outputs stay integers. On a JAX that traces them as ordinary primitives the same holds.

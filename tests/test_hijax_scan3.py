@@ -46,9 +46,16 @@ def _scan3(fn, *args):
         return fn(*args)
 
 
+def _classic(fn, *args):
+    """``fn(*args)`` with ``lax.scan`` in its classic encoding (the reference), whatever
+    the environment sets (the nextjax lane runs this file with ``JAX_SCAN3=1``)."""
+    with FLAGS["scan3"](False):
+        return fn(*args)
+
+
 def test_scan3_body_matmuls_are_half_and_values_match():
     w, xs = _wxs()
-    ref = rnn(w, xs)  # without the flag
+    ref = _classic(rnn, w, xs)
     with FLAGS["scan3"](True):
         assert "Scan3" in hi_names(rnn, w, xs)
         f = autocast.amp(rnn, compute_dtype=F16)
@@ -77,7 +84,7 @@ def test_scan3_over_a_pytree_with_a_half_input():
         c, ys = jax.lax.scan(body, {"h": jnp.zeros((4, 8)), "n": jnp.int32(0)}, (xs, xs.astype(F16)))
         return jnp.sum(c["h"]) + jnp.sum(ys) + c["n"]
 
-    ref = f(w, xs)
+    ref = _classic(f, w, xs)
     got = _scan3(autocast.amp(f, compute_dtype=F16), w, xs)
     np.testing.assert_allclose(float(got), float(ref), rtol=TOL)
 
@@ -88,7 +95,7 @@ def test_scan3_over_a_pytree_with_a_half_input():
 @pytest.mark.xfail(strict=True, raises=NotImplementedError, reason="JAX: Scan3 has no vjp_fwd (no reverse mode)")
 def test_grad_through_scan3():
     w, xs = _wxs(2)
-    ref = jax.grad(rnn)(w, xs)
+    ref = _classic(jax.grad(rnn), w, xs)
     got = _scan3(jax.grad(autocast.amp(rnn, compute_dtype=F16)), w, xs)
     assert float(jnp.max(jnp.abs(got - ref))) < TOL * float(jnp.max(jnp.abs(ref)))
 
@@ -96,7 +103,7 @@ def test_grad_through_scan3():
 @pytest.mark.xfail(strict=True, raises=NotImplementedError, reason="JAX: Scan3 has no batch rule (no vmap)")
 def test_vmap_of_scan3():
     w, xs = _wxs(3)
-    ref = jax.vmap(rnn, in_axes=(None, 0))(w, xs[None])
+    ref = _classic(jax.vmap(rnn, in_axes=(None, 0)), w, xs[None])
     got = _scan3(jax.vmap(autocast.amp(rnn, compute_dtype=F16), in_axes=(None, 0)), w, xs[None])
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=TOL)
 
@@ -104,14 +111,14 @@ def test_vmap_of_scan3():
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="JAX: Scan3 ignores reverse=True")
 def test_reverse_scan3():
     w, xs = _wxs(4)
-    ref = rnn(w, xs, True)
+    ref = _classic(rnn, w, xs, True)
     np.testing.assert_allclose(float(_scan3(rnn, w, xs, True)), float(ref), rtol=TOL)
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="JAX: a Scan3 with only carries is dropped under jit")
 def test_carry_only_scan3_under_jit():
     w, xs = _wxs(5)
-    ref = carry_only(w, xs)
+    ref = _classic(carry_only, w, xs)
     np.testing.assert_allclose(float(_scan3(jax.jit(carry_only), w, xs)), float(ref), rtol=TOL)
 
 
