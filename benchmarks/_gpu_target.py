@@ -110,7 +110,8 @@ def census(hlo: str) -> dict[str, Any]:
     return {
         "kernels": len(entry),
         "kernel_ops": dict(collections.Counter(op for _, op, _ in entry)),
-        "gemm_kernels": in_triton + sum(1 for _, op, line in entry if op == "custom-call" and _GEMM_TARGET.search(line)),
+        "gemm_kernels": in_triton
+        + sum(1 for _, op, line in entry if op == "custom-call" and _GEMM_TARGET.search(line)),
         "gemms": dict(gemms),
         "fp8_gemms": sum(v for k, v in gemms.items() if "f8" in k),
         "convolutions": dict(convs),
@@ -122,8 +123,6 @@ def compile_for_target(jitted: Any, args: tuple, **lower_kwargs: Any) -> tuple[A
     """``jitted.lower(*args).compile()`` and its census plus XLA:GPU's memory analysis."""
     compiled = jitted.lower(*args, **lower_kwargs).compile()
     ma = compiled.memory_analysis()
-    mem = {
-        k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "alias", "temp")
-    }
+    mem = {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "alias", "temp")}
     mem["peak"] = int(getattr(ma, "peak_memory_in_bytes", 0) or 0)
     return compiled, {**census(compiled.as_text()), "memory": mem}

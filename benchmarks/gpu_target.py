@@ -77,6 +77,10 @@ def _gemm_cell(g: dict[str, int]) -> str:
     return ", ".join(f"{v} {k}" for k, v in sorted(g.items(), key=lambda kv: -kv[1]))
 
 
+def _ratio(peak: int, base: dict[str, int], b: str) -> str:
+    return f"{peak / base[b]:.2f}" if b in base else "n/a"
+
+
 def table(model: str, mult: int, mode: str, res: dict[str, dict[str, Any]]) -> str:
     rows = [
         f"#### {model}, batch x{mult}, {mode} mode\n",
@@ -92,12 +96,11 @@ def table(model: str, mult: int, mode: str, res: dict[str, dict[str, Any]]) -> s
             rows.append(f"| {s} | failed: {r['error']} |" + " |" * 11)
             continue
         m = r["memory"]
-        ratio = lambda b: f"{m['peak'] / base[b]:.2f}" if b in base else "n/a"  # noqa: E731
         vs16 = f"{r['kernels'] / k16:.2f}x" if k16 else "n/a"
         rows.append(
             f"| {s} | {r['kernels']} | {vs16} | {_gemm_cell(r['gemms'])} | "
             f"{r['fp8_gemms']} | {_gemm_cell(r['convolutions']) or '-'} | {_mib(m['argument'])} | {_mib(m['output'])} | "
-            f"{_mib(m['alias'])} | {_mib(m['temp'])} | {_mib(m['peak'])} | {ratio('fp32')} | {ratio('mpx-bf16')} |"
+            f"{_mib(m['alias'])} | {_mib(m['temp'])} | {_mib(m['peak'])} | {_ratio(m['peak'], base, 'fp32')} | {_ratio(m['peak'], base, 'mpx-bf16')} |"
         )
     return "\n".join(rows)
 
@@ -123,8 +126,14 @@ def run(args: Any, cmd: str, names: list[str], notes: list[str]) -> dict[str, An
                         res[name] = compile_system(task, name, mode, sharding, mult)
                     except Exception as e:  # noqa: BLE001 - a failing system is a result
                         res[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
-                    print(f"{model} x{mult} {mode} {name}: " + (res[name].get("error") or
-                          f"{res[name]['kernels']} kernels, peak {_mib(res[name]['memory']['peak'])} MiB"), flush=True)
+                    print(
+                        f"{model} x{mult} {mode} {name}: "
+                        + (
+                            res[name].get("error")
+                            or f"{res[name]['kernels']} kernels, peak {_mib(res[name]['memory']['peak'])} MiB"
+                        ),
+                        flush=True,
+                    )
                 checks = _checks(model, res) if model in PEAK_TARGET else {}
                 report["models"][model]["runs"][f"x{mult}-{mode}"] = {"results": res, "targets": checks}
                 sections.append(table(model, mult, mode, res))
