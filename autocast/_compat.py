@@ -66,8 +66,7 @@ def open_and_consts(x: Any) -> tuple[Any, list[Any]]:
 
 def bind(prim: Primitive, invals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
     """Bind ``prim`` with equation ``params``; always returns a list of outputs."""
-    if prim.name in _MATMULS:
-        invals = half_matmul_operands(invals, params.get("preferred_element_type"))
+    invals = half_matmul_operands(prim, invals, params.get("preferred_element_type"))
     bind_params = prim.get_bind_params(params)
     if isinstance(bind_params, tuple):
         # JAX < 0.9.2: get_bind_params returned (subfuns, params); subfuns lead the operands.
@@ -79,52 +78,103 @@ def bind(prim: Primitive, invals: Sequence[Any], params: dict[str, Any]) -> list
     return list(out) if prim.multiple_results else [out]
 
 
+# --- half x half -> float32 matmuls, decided by the platform the program is lowered for -----
+#
+# XLA:CPU (jaxlib 0.9.2 through 0.12.0.1 at least) rewrites most bfloat16 matmuls to float32
+# ones, but not one whose transpose is folded into it after that rewrite: its runtime then
+# fails with ``Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32``. GPUs run
+# these matmuls natively (cuBLASLt, Triton). So the jaxpr always holds the plain half x half
+# -> float32 ``dot_general`` / ``conv_general_dilated``, and only its *lowering for CPU*
+# widens the operands to float32 first, for a dtype whose XLA:CPU probe failed: the same
+# products (exact in float32) and the same float32 accumulation as XLA:CPU's own rewrite.
+# The decision is the lowering platform's, never the host's: a program compiled for a GPU
+# from a CPU process (AOT, ``jit(backend=)``, a mesh of GPU devices) keeps its
+# half-precision GEMMs. The rule is registered for CPU only and changes nothing until autocast
+# binds such a matmul (which probes the dtype first: lowering never compiles). JAX 0.9.2 ..
+# 0.12: ``mlir.register_lowering(..., platform="cpu")`` wrapping the rule JAX registered
+# (``mlir._platform_specific_lowerings`` / ``mlir._lowerings``); ``LoweringRuleContext``
+# with ``avals_in`` / ``avals_out`` and ``replace``; ``mlir.convert_hlo``. Where that is
+# missing, :data:`WIDEN_AT_LOWERING` is False and :func:`half_matmul_operands` widens at
+# trace time for a CPU default backend (the behaviour before this rule).
+
 _MATMULS = frozenset({"dot_general", "conv_general_dilated"})
-WIDENED_SCOPE = "autocast_widened_for_backend"
-"""The named scope of the converts :func:`half_matmul_operands` inserts."""
+_CPU_PROBES: dict[str, bool] = {}
+_PROBING: list[bool] = []
 
 
-@functools.cache
-def _float32_result_supported(dtype_name: str, backend: str) -> bool:
-    """Whether ``backend`` runs a ``dtype`` x ``dtype`` -> float32 matmul in every layout.
+def _half_f32_dtype(invals: Sequence[Any], preferred: Any) -> str | None:
+    """The half dtype of a two-operand matmul of one half dtype with a float32 result."""
+    if preferred is None or str(np.dtype(preferred)) != "float32" or len(invals) != 2:
+        return None
+    names = {str(getattr(x, "dtype", "")) for x in invals}
+    if len(names) != 1 or names.isdisjoint({"bfloat16", "float16"}):
+        return None
+    return names.pop()
 
-    XLA:CPU (jaxlib 0.9.2 through 0.12.0.1 at least) rewrites most bfloat16 matmuls to
-    float32 ones, but not one whose transpose is folded into it after that rewrite: its
-    runtime then fails with ``Unsupported element type for DotThunk::Execute: BF16 x BF16 =
-    F32``. Probed once per dtype and backend with exactly that pattern (a matmul read through
-    a transpose), never by version."""
-    import numpy as np
+
+def half_matmul_operands(prim: Any, invals: Sequence[Any], preferred: Any) -> Sequence[Any]:
+    """The operands with which to bind ``prim``: unchanged, after probing XLA:CPU once per
+    dtype for a half x half -> float32 ``prim`` (its CPU lowering reads the answer); widened
+    to float32 here only where the lowering rule could not be registered and the default
+    backend is CPU."""
+    name = _half_f32_dtype(invals, preferred) if getattr(prim, "name", prim) in _MATMULS else None
+    if name is None:
+        return invals
+    if name not in _CPU_PROBES:
+        _CPU_PROBES[name] = _cpu_has_float32_result(name)
+    if WIDEN_AT_LOWERING or _CPU_PROBES[name] or jax.default_backend() != "cpu":
+        return invals
+    return [jax.lax.convert_element_type(x, "float32") for x in invals]
+
+
+def _cpu_has_float32_result(dtype_name: str) -> bool:
+    """Whether XLA:CPU runs a ``dtype`` x ``dtype`` -> float32 matmul in every layout:
+    probed with exactly the failing pattern (a matmul read through a transpose), never by
+    version. False (widen: always correct) where there is no CPU backend to ask."""
 
     def probe(a, b):
         h = jax.numpy.maximum(a, 0).astype(dtype_name)
         out = jax.lax.dot_general(b.astype(dtype_name), h, (((1,), (0,)), ((), ())), preferred_element_type="float32")
         return out.T
 
-    device = jax.devices(backend)[0]
+    _PROBING.append(True)  # the lowering rule leaves the probe's matmul alone
     try:
+        device = jax.devices("cpu")[0]
         with jax.ensure_compile_time_eval():
             a = jax.device_put(np.ones((8, 4), np.float32), device)
             b = jax.device_put(np.ones((2, 8), np.float32), device)
             out = np.asarray(jax.jit(probe)(a, b))
         return bool(np.all(out == 8.0))
-    except Exception:  # XlaRuntimeError (UNIMPLEMENTED) on backends without the kernel
+    except Exception:  # XlaRuntimeError (UNIMPLEMENTED), or no CPU backend
         return False
+    finally:
+        _PROBING.pop()
 
 
-def half_matmul_operands(invals: Sequence[Any], preferred: Any) -> Sequence[Any]:
-    """The operands of a half-precision matmul with a float32 result, as the default backend
-    can run them: unchanged where it has the kernel; else converted to float32 first (the
-    same products, exact in float32, and the same float32 accumulation)."""
-    if preferred is None or str(preferred) != "float32" or len(invals) != 2:
-        return invals
-    names = {str(getattr(x, "dtype", "")) for x in invals}
-    if len(names) != 1 or names.isdisjoint({"bfloat16", "float16"}):
-        return invals
-    (name,) = names
-    if _float32_result_supported(name, jax.default_backend()):
-        return invals
-    with jax.named_scope(WIDENED_SCOPE):  # marks the converts in jaxprs (explain, tests)
-        return [jax.lax.convert_element_type(x, "float32") for x in invals]
+def _widening_cpu_lowering(previous: Callable) -> Callable:
+    def rule(ctx: Any, *args: Any, **params: Any) -> Any:
+        out = ctx.avals_out[0].dtype if len(ctx.avals_out) == 1 else None
+        name = _half_f32_dtype(ctx.avals_in, out)
+        if name is not None and _CPU_PROBES.get(name) is False and not _PROBING:
+            wide = [aval_with_dtype(a, np.dtype("float32")) for a in ctx.avals_in]
+            args = tuple(_mlir.convert_hlo(ctx, x, a, w) for x, a, w in zip(args, ctx.avals_in, wide))
+            ctx = ctx.replace(avals_in=wide)
+        return previous(ctx, *args, **params)
+
+    return rule
+
+
+def _register_widening_cpu_lowerings() -> bool:
+    try:
+        table = _mlir._platform_specific_lowerings["cpu"]
+        entries = {
+            p: table.get(p) or _mlir._lowerings[p] for p in (jax.lax.dot_general_p, jax.lax.conv_general_dilated_p)
+        }
+        for prim, entry in entries.items():
+            _mlir.register_lowering(prim, _widening_cpu_lowering(entry.rule), platform="cpu", inline=entry.inline)
+    except (AttributeError, KeyError, TypeError):  # a JAX without these internals
+        return False
+    return True
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
@@ -485,9 +535,9 @@ def _tp_transpose(ct, a, t, *, inner, inner_params, index, half, out_dtype):
         if type(ct) is _ad.Zero:
             return [None, _ad.Zero(t.aval)]
         ct = ct.astype(half) if ct.dtype != half else ct
-        # the cotangent of ``t`` accumulated into ``t``'s own dtype (float32), from the
-        # half-precision operands as the backend can run them (see half_matmul_operands)
-        ct, a = half_matmul_operands([ct, a], t.aval.dtype)
+        # the cotangent of ``t`` accumulated into ``t``'s own dtype (float32), straight from
+        # the half-precision operands (see half_matmul_operands)
+        ct, a = half_matmul_operands(inner, [ct, a], t.aval.dtype)
         cts = rule(ct, *_ordered(a, t, index), **dict(inner_params.as_dict(), preferred_element_type=t.aval.dtype))
         return [None, cts[index]]
     # the cotangent of ``a``: the ordinary half-precision transpose
@@ -540,6 +590,8 @@ _ad.primitive_jvps[tangent_product_p] = _tp_jvp
 _ad.primitive_transposes[tangent_product_p] = _tp_transpose
 _batching.primitive_batchers[tangent_product_p] = _tp_batch
 _mlir.register_lowering(tangent_product_p, _mlir.lower_fun(_tp_impl, multiple_results=False))
+WIDEN_AT_LOWERING = _register_widening_cpu_lowerings()
+"""Whether half x half -> float32 matmuls are widened by their CPU lowering (see above)."""
 
 
 # --- hijax: higher-order primitives as one ``call_hi_primitive`` equation --------------------

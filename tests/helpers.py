@@ -7,12 +7,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.extend.core as jex
 import numpy as np
 import pytest
 
 from autocast import _compat, _walk
-from autocast._compat import WIDENED_SCOPE
 
 COMPUTE_PRIMS = ("dot_general", "conv_general_dilated")
 
@@ -61,10 +59,8 @@ def bodies(eqn: Any) -> list[Any]:
 
 
 def dots_in(jaxpr: Any) -> list[tuple[str, ...]]:
-    """The operand dtypes of every matmul/convolution in ``jaxpr`` at any depth, operands
-    widened exactly from half (:func:`widened_from_half`) counting as half."""
-    widened = widened_from_half(jaxpr)
-    return [operand_dtypes(e, widened) for e, _ in walk(jaxpr) if e.primitive.name in COMPUTE_PRIMS]
+    """The operand dtypes of every matmul/convolution in ``jaxpr`` at any depth."""
+    return [operand_dtypes(e) for e, _ in walk(jaxpr) if e.primitive.name in COMPUTE_PRIMS]
 
 
 def activation_jvps(jaxpr: Any, kind: str = "custom_jvp") -> list[Any]:
@@ -90,70 +86,28 @@ def xfail_if_flag(*names: str, reason: str) -> Any:
     return pytest.mark.xfail(flag_on(*names), strict=True, reason=reason)
 
 
-def widened_from_half(jaxpr: Any) -> dict[Any, str]:
-    """Vars that ``amp`` widened from float16/bfloat16 to float32 only because the backend
-    lacks a half x half -> float32 matmul kernel for every layout (XLA:CPU and bfloat16;
-    ``_compat.half_matmul_operands``, whose converts carry the scope
-    ``_compat.WIDENED_SCOPE``), with the half dtype, followed into the bodies of nested calls
-    and loops (a body's input that receives such a value counts too): the matmul still
-    reads half-precision values."""
-    found: dict[Any, str] = {}
-
-    def visit(jaxpr: Any) -> None:
-        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-        for e in jaxpr.eqns:
-            if (
-                e.primitive.name == "convert_element_type"
-                and WIDENED_SCOPE in _scopes(e)
-                and str(e.invars[0].aval.dtype) in ("float16", "bfloat16")
-                and str(e.outvars[0].aval.dtype) == "float32"
-            ):
-                found[e.outvars[0]] = str(e.invars[0].aval.dtype)
-            for sub in _walk.bodies(e):
-                inner = getattr(sub, "jaxpr", sub)
-                # operands passed one to one (jit, remat, custom_jvp, scan), or after an
-                # index (cond's branches)
-                outer = (
-                    e.invars if len(inner.invars) == len(e.invars) else e.invars[len(e.invars) - len(inner.invars) :]
-                )
-                if len(outer) == len(inner.invars):
-                    for o, i in zip(outer, inner.invars):
-                        if not isinstance(o, jex.Literal) and o in found and str(i.aval.dtype) == "float32":
-                            found[i] = found[o]
-                visit(inner)
-
-    visit(jaxpr)
-    return found
-
-
-def operand_dtypes(eqn: Any, widened: dict[Any, str] | None = None) -> tuple[str, ...]:
-    """The dtypes of ``eqn``'s operands; with ``widened`` (:func:`widened_from_half`), an
-    operand widened exactly from half precision counts as half."""
-    widened = widened or {}
-    return tuple(
-        str(v.aval.dtype) if isinstance(v, jex.Literal) else widened.get(v, str(v.aval.dtype)) for v in eqn.invars
-    )
+def operand_dtypes(eqn: Any) -> tuple[str, ...]:
+    """The dtypes of ``eqn``'s operands."""
+    return tuple(str(v.aval.dtype) for v in eqn.invars)
 
 
 def compute_op_dtypes(fn, *args, **kwargs) -> collections.Counter:
     """Count matmuls/convolutions in ``make_jaxpr(fn)`` by (primitive, lhs dtype, in amp_stop)."""
     closed = jax.make_jaxpr(fn)(*args, **kwargs)
-    widened = widened_from_half(closed)
     counts: collections.Counter = collections.Counter()
     for eqn, scopes in walk(closed):
         if eqn.primitive.name in COMPUTE_PRIMS:
-            counts[(eqn.primitive.name, operand_dtypes(eqn, widened)[0], "amp_stop" in scopes)] += 1
+            counts[(eqn.primitive.name, operand_dtypes(eqn)[0], "amp_stop" in scopes)] += 1
     return counts
 
 
 def float32_compute_ops_outside_stop(fn, *args, **kwargs) -> int:
     """How many matmuls/convolutions outside ``amp_stop`` have a float32 operand."""
     closed = jax.make_jaxpr(fn)(*args, **kwargs)
-    widened = widened_from_half(closed)
     n = 0
     for eqn, scopes in walk(closed):
         if eqn.primitive.name in COMPUTE_PRIMS and "amp_stop" not in scopes:
-            if any(d == "float32" for d in operand_dtypes(eqn, widened)):
+            if any(d == "float32" for d in operand_dtypes(eqn)):
                 n += 1
     return n
 

@@ -69,25 +69,12 @@ def _eqns(jaxpr):
             yield from _eqns(sub)
 
 
-def _half_widened(jaxpr, var):
-    """``var`` made by a convert from a half dtype (XLA:CPU's exact widening of half
-    operands for a float32-result matmul, ``_compat.half_matmul_operands``)."""
-    for eqn in jaxpr.eqns:
-        if var in eqn.outvars and eqn.primitive.name == "convert_element_type":
-            src = eqn.invars[0]
-            return str(getattr(src, "aval", src).dtype) in ("float16", "bfloat16")
-    return False
-
-
 def matmul_operand_dtypes(fn, *args):
-    """The operand dtype of every matmul of ``fn``'s jaxpr, in every body (float32 operands
-    widened exactly from half count as half)."""
+    """The operand dtype of every matmul of ``fn``'s jaxpr, in every body."""
     out = []
-    for eqn, jaxpr in _eqns(jax.make_jaxpr(fn)(*args)):
+    for eqn, _ in _eqns(jax.make_jaxpr(fn)(*args)):
         if eqn.primitive.name == "dot_general":
             dts = {str(v.aval.dtype) for v in eqn.invars}
-            if dts == {"float32"} and all(_half_widened(jaxpr, v) for v in eqn.invars):
-                dts = {"float16"}
             out.append("/".join(sorted(dts)))
     return out
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import walk, widened_from_half
+from helpers import walk
 
 import autocast
 
@@ -25,15 +25,12 @@ F32 = np.dtype(np.float32)
 
 
 def _matmuls(fn, *args):
-    """(operand dtypes, result dtype) of every dot_general / conv in ``make_jaxpr(fn)``.
-
-    An operand converted from half precision to float32 just before the matmul counts as
-    half: where the backend has no half x half -> float32 kernel for every layout (XLA:CPU
-    and bfloat16), the operands are widened exactly (``_compat.half_matmul_operands``)."""
+    """(operand dtypes, result dtype) of every dot_general / conv in ``make_jaxpr(fn)``
+    (the same on every backend: XLA:CPU's widening of bfloat16 operands happens in the
+    lowering, see ``_compat.half_matmul_operands``)."""
     closed = jax.make_jaxpr(fn)(*args)
-    widened = {v: np.dtype(d) for v, d in widened_from_half(closed).items()}
     return [
-        (tuple(widened.get(v, np.dtype(v.aval.dtype)) for v in e.invars), np.dtype(e.outvars[0].aval.dtype))
+        (tuple(np.dtype(v.aval.dtype) for v in e.invars), np.dtype(e.outvars[0].aval.dtype))
         for e, _ in walk(closed)
         if e.primitive.name in ("dot_general", "conv_general_dilated")
     ]
