@@ -1,7 +1,7 @@
 """Matmuls with a float32 result or float32 operand cotangents, and a half-precision
 backward pass.
 
-Two things a plain half-precision matmul (or convolution) ``dot(a16, w16)`` gets wrong:
+Two things a plain half-precision matmul ``dot(a16, w16)`` gets wrong:
 
 - **Its result, when only float32 consumers read it.** It is stored in half precision and
   converted back: rounded for nothing. With ``wide=True`` :func:`bind` binds the primitive
@@ -20,7 +20,14 @@ Two things a plain half-precision matmul (or convolution) ``dot(a16, w16)`` gets
   float32 (same operands and FLOPs; a weight-sized float32 output). The activation
   gradient stays half.
 
-The forward stays a plain ``dot_general`` / ``conv_general_dilated`` (checkpoint policies
+Only ``dot_general``: a convolution keeps its half-precision result, forward and backward,
+and its weight cotangent is converted to float32 after the convolution (as in PyTorch's
+autocast). GPUs have no half-operand convolution with a float32 output (cuDNN computes
+in float32 and stores half); XLA:GPU would run a float32-result convolution on float32
+operands, twice the bytes of the half ones and no tensor cores. Same program, same
+numerics, on every platform.
+
+The forward stays a plain ``dot_general`` (checkpoint policies
 such as ``dots_saveable`` and the interpreter's island checkpoints see it by name). The
 derivative is a ``custom_jvp`` rule: the tangent of a half operand is the half-precision
 matmul of the tangent (converted to float32 for a float32 result, so a float32 cotangent
@@ -40,9 +47,11 @@ from jax import lax
 
 from . import _compat, _dtypes
 
-BILINEAR = frozenset({"dot_general", "conv_general_dilated"})
-"""Primitives bilinear in their two operands (``ad.defbilinear`` in JAX): the tangent is
-the sum of the primitive applied to one operand's tangent and the other's primal."""
+BILINEAR = frozenset({"dot_general"})
+"""Primitives that get a float32 result or float32 cotangent from half operands; bilinear in
+their two operands (``ad.defbilinear`` in JAX): the tangent is the sum of the primitive
+applied to one operand's tangent and the other's primal. Not ``conv_general_dilated``
+(see the module docstring)."""
 
 
 def applies(prim: Any, ops: Sequence[Any], params: dict[str, Any]) -> bool:

@@ -218,7 +218,12 @@ def test_no_float32_activation_residuals(dtype):
     assert not [str(a) for a, _ in res if a.dtype == jnp.float32 and a.shape == (BATCH, WIDTH)]
 
 
-def test_convolution_weight_gradient_is_float32():
+def test_convolution_weight_gradient_is_float32_from_a_half_convolution():
+    """A convolution keeps a half-precision result forward and backward (GPUs have no
+    half-operand convolution with a float32 output: XLA:GPU would widen the operands); the
+    weight cotangent is converted to float32 right after its convolution, so every
+    reduction after it (psum, all-reduce, a scan's accumulation) runs in float32."""
+
     def f(w, x):
         y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return jnp.mean(jax.nn.gelu(y).astype(jnp.float32) ** 2)
@@ -231,8 +236,9 @@ def test_convolution_weight_gradient_is_float32():
         for e, _ in walk(jax.make_jaxpr(jax.grad(autocast.amp(f)))(w, x))
         if e.primitive.name == "conv_general_dilated"
     ]
-    assert (("float16", "float16"), "float32", (3, 3, 4, 8)) in convs, convs
-    assert all(ops == ("float16", "float16") for ops, _, _ in convs), convs
+    assert (("float16", "float16"), "float16", (3, 3, 4, 8)) in convs, convs
+    assert all(ops == ("float16", "float16") and out == "float16" for ops, out, _ in convs), convs
+    assert jax.grad(autocast.amp(f))(w, x).dtype == jnp.float32
     # vmap of grad (per-example gradients): a batched convolution, values still right
     per_example = jax.vmap(jax.grad(autocast.amp(f)), in_axes=(None, 0))(w, x[:, None])
     per_example32 = jax.vmap(jax.grad(f), in_axes=(None, 0))(w, x[:, None])

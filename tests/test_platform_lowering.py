@@ -90,3 +90,22 @@ def test_plain_jax_matmuls_are_untouched():
     b = jnp.ones((8, 2), jnp.bfloat16)
     for fn in (lambda a, b: a @ b, lambda a, b: a.astype(jnp.float32) @ b.astype(jnp.float32)):
         assert _dots(_export(fn, "cpu", a, b)) == _dots(_export(fn, "cuda", a, b))
+
+
+def test_convolutions_stay_half_for_the_gpu():
+    """A convolution's forward and weight-gradient products read and write half precision
+    (XLA:GPU would run a half x half -> float32 convolution on float32 operands); the weight
+    gradient is float32 after it."""
+
+    def loss(w, x):
+        y = jax.lax.conv_general_dilated(x, w, (4, 4), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.mean(jax.nn.gelu(y).astype(jnp.float32) ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (4, 4, 3, 8)) / 7
+    x = jax.random.normal(jax.random.key(1), (2, 16, 16, 3))
+    grad = jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16))
+    t = r"tensor<(?:[0-9]+x)*(\w+)>"
+    pat = re.compile(rf"stablehlo\.convolution.*: \({t}, {t}\) -> {t}")
+    convs = [m.groups() for m in map(pat.search, _export(grad, "cuda", w, x).splitlines()) if m]
+    assert len(convs) >= 2 and all(c == ("bf16", "bf16", "bf16") for c in convs), convs
+    assert grad(w, x).dtype == jnp.float32

@@ -1,4 +1,4 @@
-"""A matmul (convolution) whose result only float32 operations read stores a float32
+"""A matmul (not a convolution: see ``autocast/_wide.py``) whose result only float32 operations read stores a float32
 result: half-precision operands, float32 accumulation, no rounding of the result. Its
 backward pass is unchanged: the cotangent is rounded to half precision once and both
 transposed matmuls run in half precision (``autocast/_wide.py``).
