@@ -60,6 +60,7 @@ def abstract(tree: Any, sharding: Any, batch_mult: int = 1) -> Any:
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([a-z][a-z0-9\-]*)\((.*)$")
 _NOT_KERNELS = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "after-all"})
 _GEMM_TARGET = re.compile(r'custom_call_target="(__cublas\$(?:lt\$matmul(?:\$f8)?|gemm))"')
+_CALLS = re.compile(r"calls=%([^\s,}]+)")
 _CONV_TARGET = re.compile(r'custom_call_target="(__cudnn\$conv[^"]*)"')
 
 
@@ -70,8 +71,9 @@ def _dtype(shape: str) -> str:
 def census(hlo: str) -> dict[str, Any]:
     """Counts in an optimised XLA:GPU module: ``kernels`` (the entry computation's
     instructions that launch work: fusions, custom calls, copies ...), ``gemms`` by operand
-    dtypes (cuBLAS calls and the dots of Triton GEMM fusions), ``fp8_gemms`` and
-    ``convolutions`` by operand dtypes."""
+    dtypes (cuBLAS calls and the dots of Triton GEMM fusions), ``fp8_gemms``,
+    ``convolutions`` by operand dtypes and ``transposes_into_gemms`` (GEMM operands made
+    by a transpose or copy kernel of their own, rather than folded into the GEMM)."""
     types: dict[str, str] = {}
     entry: list[tuple[str, str, str]] = []
     gemms: collections.Counter = collections.Counter()
@@ -106,6 +108,27 @@ def census(hlo: str) -> dict[str, Any]:
         elif op == "convolution" or (op == "custom-call" and _CONV_TARGET.search(line)):
             convs[operand_dtypes(rest, 2)] += 1
     in_triton = sum(1 for _, _, line in entry if "__triton_gemm" in line or "gemm_fusion" in line)
+    # GEMM operands made by a transpose kernel of their own (one not folded into the GEMM)
+    made = {name: (op, line) for name, op, line in entry}
+    bitcast_of = {}
+    for line in hlo.splitlines():
+        m = _INSTR.match(line)
+        if m and m.group(3) == "bitcast":
+            src = re.findall(r"%([^\s,)]+)", m.group(4).split(")", 1)[0])
+            if src:
+                bitcast_of[m.group(1)] = src[0]
+
+    def is_transpose(name: str) -> bool:
+        name = bitcast_of.get(name, name)
+        op, line = made.get(name, ("", ""))
+        called = _CALLS.search(line)
+        return op in ("transpose", "copy") or bool(called and "transpose" in called.group(1))
+
+    transposes_into_gemms = 0
+    for _, _, line in entry:
+        if _GEMM_TARGET.search(line) or "__triton_gemm" in line or "gemm_fusion" in line:
+            operands = re.findall(r"%([^\s,)]+)", line.split("(", 1)[1].split(")", 1)[0])
+            transposes_into_gemms += sum(1 for o in operands[:2] if is_transpose(o))
     # a Triton GEMM fusion's dot is counted once (its computation), not again at its call site
     return {
         "kernels": len(entry),
@@ -116,6 +139,7 @@ def census(hlo: str) -> dict[str, Any]:
         "fp8_gemms": sum(v for k, v in gemms.items() if "f8" in k),
         "convolutions": dict(convs),
         "f32_convolutions": sum(v for k, v in convs.items() if "f32" in k),
+        "transposes_into_gemms": transposes_into_gemms,
     }
 
 

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU-program lane: compile amp train steps for an NVIDIA H100 on this CPU-only machine
+# (deviceless XLA:GPU, see tests/test_gpu_program.py) and check what XLA:GPU makes of them.
+# Installs the jax-cuda12 plugin wheels matching the newest venv's jaxlib (about 200 MB, no
+# nvidia-* wheels, no GPU needed) once into .cache/jax-cuda-plugin-<version>/ (pip's cache
+# makes a re-download cheap), then runs the test file with it on PYTHONPATH.
+# Extra arguments go to pytest.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../.ci/venv.sh"
+py="$(find_python 3.13 || echo "${PYTHON:-python3}")"
+ensure_venv .venv-newest "$py" test --upgrade "jax[cpu]"
+version="$("$VENV_PYTHON" -c 'import jaxlib; print(jaxlib.__version__)')"
+plugin="$PROJECT_ROOT/.cache/jax-cuda-plugin-$version"
+if [ ! -f "$plugin/.installed" ]; then
+  rm -rf "$plugin"
+  "$VENV_PYTHON" -m pip install --quiet --no-deps --target "$plugin" \
+    "jax-cuda12-plugin==$version" "jax-cuda12-pjrt==$version"
+  touch "$plugin/.installed"
+fi
+# JAX_PLATFORMS=cpu before JAX starts: the plugin then registers without calling cuInit.
+cd "$PROJECT_ROOT"
+JAX_PLATFORMS=cpu PYTHONPATH="$plugin${PYTHONPATH:+:$PYTHONPATH}" \
+  "$VENV_PYTHON" -m pytest -p no:cacheprovider -q tests/test_gpu_program.py "$@"
