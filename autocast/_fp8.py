@@ -66,13 +66,20 @@ def quantize(x: Any, dtype: Any = E4M3) -> tuple[jax.Array, jax.Array]:
     NaN in ``x`` gives a non-finite scale (inf or NaN), so whatever is computed from ``q``
     and ``scale`` is non-finite too.
     """
+    q, amax = _quantize(x, dtype)
+    return q, amax / float(jnp.finfo(np.dtype(dtype)).max)
+
+
+def _quantize(x: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """``(q, amax)``: the scale's scalar arithmetic is left to the consumers (XLA fuses it
+    into the quantising and the GEMM-epilogue kernels instead of launching one per scalar)."""
     dtype = np.dtype(dtype)
     fmax = float(jnp.finfo(dtype).max)
     x32 = lax.convert_element_type(x, np.float32)
     amax = jnp.max(jnp.abs(x32))
-    scale = amax / fmax
-    q = jnp.clip(jnp.where(amax > 0, x32 / scale, 0.0), -fmax, fmax).astype(dtype)
-    return q, scale
+    inv = jnp.where(amax > 0, fmax / amax, 0.0)
+    q = jnp.clip(x32 * inv, -fmax, fmax).astype(dtype)
+    return q, amax
 
 
 def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
@@ -115,13 +122,17 @@ def _dn(dimension_numbers) -> tuple:
     return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
 
 
+_INV_E4M3 = 1.0 / float(jnp.finfo(E4M3).max)
+_INV_E5M2 = 1.0 / float(jnp.finfo(E5M2).max)
+
+
 def _forward(x, w, dimension_numbers, out_dtype):
-    qx, sx = quantize(x, E4M3)
-    qw, sw = quantize(w, E4M3)
+    qx, ax = _quantize(x, E4M3)
+    qw, aw = _quantize(w, E4M3)
     y = lax.dot_general(qx, qw, dimension_numbers, preferred_element_type=np.float32)
     # named: an island checkpoint (remat_float32) that holds this matmul saves them
-    res = tuple(checkpoint_name(r, _compat.SAVED_NAME) for r in (qx, sx, qw, sw))
-    return (y * sx * sw).astype(out_dtype), res
+    res = tuple(checkpoint_name(r, _compat.SAVED_NAME) for r in (qx, ax, qw, aw))
+    return (y * ((ax * _INV_E4M3) * (aw * _INV_E4M3))).astype(out_dtype), res
 
 
 def _make(dimension_numbers, out_dtype, x_dtype, w_dtype):
@@ -133,10 +144,11 @@ def _make(dimension_numbers, out_dtype, x_dtype, w_dtype):
         return _forward(x, w, dimension_numbers, out_dtype)
 
     def bwd(res, g):
-        qx, sx, qw, sw = res
-        qg, sg = quantize(g, E5M2)
-        dx = _transpose_lhs(qg, qx.ndim, qw, dimension_numbers) * sg * sw
-        dw = _transpose_rhs(qg, qx, qw.ndim, dimension_numbers) * sg * sx
+        qx, ax, qw, aw = res
+        qg, ag = _quantize(g, E5M2)
+        sg, sx, sw = ag * _INV_E5M2, ax * _INV_E4M3, aw * _INV_E4M3
+        dx = _transpose_lhs(qg, qx.ndim, qw, dimension_numbers) * (sg * sw)
+        dw = _transpose_rhs(qg, qx, qw.ndim, dimension_numbers) * (sg * sx)
         return dx.astype(x_dtype), dw.astype(w_dtype)
 
     fp8_dot.defvjp(fwd, bwd)
