@@ -14,7 +14,7 @@ like :func:`autocast.use_compute_precision` (a matmul in the compute dtype) and 
   scale; both transposed products in fp8 (e5m2 x e4m3) with float32 accumulation; each
   operand's gradient in the dtype the operand arrived in (a float32 parameter gets a
   float32 gradient, no half-precision rounding). The residuals are the two fp8 operands
-  and their scales.
+  and their amaxes (the scales follow from them inside the kernels that use them).
 
 A non-finite operand or cotangent makes its scale non-finite, and the product (then the
 gradient) non-finite: overflow is never hidden from a loss scaler or ``find_overflow``.

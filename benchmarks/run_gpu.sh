@@ -6,7 +6,16 @@
 # to pick one). Writes benchmarks/results/gpu-<device>-<date>.{md,json}. Extra arguments go to
 # `python -m benchmarks.gpu`: `--smoke` (tiny sizes, any backend), `--models gpt2-small`,
 # `--systems fp32 autocast-fp8`, `--repeats 50`, `--out-dir DIR`.
+# `--target h100`: no GPU needed; the steps compiled for an H100 (deviceless XLA:GPU, with
+# the jax-cuda12 plugin that `bash tests/run_gpu_program.sh` installs into .cache/).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [[ " $* " == *" --target "* ]]; then
+  export JAX_PLATFORMS=cpu  # before JAX starts: the plugin registers without calling cuInit
+  version="$("${PYTHON:-python3}" -c 'import jaxlib; print(jaxlib.__version__)')"
+  if [ -d ".cache/jax-cuda-plugin-$version" ]; then
+    export PYTHONPATH=".cache/jax-cuda-plugin-$version:$PYTHONPATH"
+  fi
+fi
 exec "${PYTHON:-python3}" -m benchmarks.gpu "$@"
