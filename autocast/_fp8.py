@@ -87,34 +87,43 @@ def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
     return [i for i in range(n) if i not in drop]
 
 
-def _ranges_like(*xs: Sequence[int]) -> list[list[int]]:
-    out, start = [], 0
-    for x in xs:
-        out.append(list(range(start, start + len(x))))
-        start += len(x)
-    return out
+class _Canon:
+    """An operand's view as ``[B, R, C]`` (batch, kept, contracted; ``[R, C]`` without batch
+    dimensions): the layout cuBLASLt's float8 GEMMs read without a transpose (contracted
+    dimension minor), and the way back to the operand's own dimensions."""
+
+    def __init__(self, shape: Sequence[int], contract: Sequence[int], batch: Sequence[int]):
+        kept = _remaining(len(shape), contract, batch)
+        self.perm = (*batch, *kept, *contract)
+        self.inverse = tuple(int(i) for i in np.argsort(self.perm))
+        self.permuted = tuple(shape[i] for i in self.perm)
+        sizes = [int(np.prod([shape[i] for i in dims], dtype=np.int64)) for dims in (batch, kept, contract)]
+        self.kept_shape = tuple(shape[i] for i in kept)
+        self.batch_shape = tuple(shape[i] for i in batch)
+        self.shape = tuple(sizes) if batch else tuple(sizes[1:])
+
+    def to(self, x):
+        if self.perm != tuple(range(len(self.perm))):
+            x = lax.transpose(x, self.perm)
+        return x.reshape(self.shape)
+
+    def back(self, x):
+        """``[B, R, C]`` -> the operand's dimensions."""
+        x = x.reshape(self.permuted)
+        return lax.transpose(x, self.inverse) if self.inverse != tuple(range(len(self.inverse))) else x
 
 
-def _transpose_lhs(g, x_ndim: int, y, dimension_numbers, swap_ans: bool = False):
-    """The cotangent of the lhs of ``dot_general(x, y)`` (as JAX's transpose rule), float32."""
-    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
-    x_kept = _remaining(x_ndim, x_contract, x_batch)
-    y_kept = _remaining(np.ndim(y), y_contract, y_batch)
-    if swap_ans:
-        ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
-    else:
-        ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
-    dims = ((ans_y, y_kept), (ans_batch, list(y_batch)))
-    x_contract_sorted_by_y = [x_contract[i] for i in np.argsort(y_contract)]
-    out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
-    prod = lax.dot_general(g, y, dims, preferred_element_type=np.float32)
-    return lax.transpose(prod, tuple(int(a) for a in out_axes))
+def _gemm(a, b, scale, dtype):
+    """``a [B, R, K] x b [B, S, K] -> [B, R, S]`` times ``scale`` in ``dtype`` (float32
+    accumulation; contracted dimensions minor). The GEMM writes ``dtype`` itself."""
+    batch = ((0,), (0,)) if a.ndim == 3 else ((), ())
+    y = lax.dot_general(a, b, ((((a.ndim - 1),), ((b.ndim - 1),)), batch), preferred_element_type=dtype)
+    return (y.astype(np.float32) * scale).astype(dtype)
 
 
-def _transpose_rhs(g, x, y_ndim: int, dimension_numbers):
-    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
-    swapped = ((y_contract, x_contract), (y_batch, x_batch))
-    return _transpose_lhs(g, y_ndim, x, swapped, swap_ans=True)
+def _swap(q):
+    """The last two dimensions swapped (XLA writes it in the quantising kernel)."""
+    return jnp.swapaxes(q, -1, -2)
 
 
 def _dn(dimension_numbers) -> tuple:
@@ -126,30 +135,37 @@ _INV_E4M3 = 1.0 / float(jnp.finfo(E4M3).max)
 _INV_E5M2 = 1.0 / float(jnp.finfo(E5M2).max)
 
 
-def _forward(x, w, dimension_numbers, out_dtype):
-    qx, ax = _quantize(x, E4M3)
-    qw, aw = _quantize(w, E4M3)
-    y = lax.dot_general(qx, qw, dimension_numbers, preferred_element_type=np.float32)
-    # named: an island checkpoint (remat_float32) that holds this matmul saves them
-    res = tuple(checkpoint_name(r, _compat.SAVED_NAME) for r in (qx, ax, qw, aw))
-    return (y * ((ax * _INV_E4M3) * (aw * _INV_E4M3))).astype(out_dtype), res
+def _forward(x, w, cx: _Canon, cw: _Canon, out_dtype):
+    qx, ax = _quantize(cx.to(x), E4M3)  # [B, M, K]
+    qw, aw = _quantize(cw.to(w), E4M3)  # [B, N, K]
+    # [B, M, N]: dot_general's own output order (batch, lhs kept, rhs kept)
+    y = _gemm(qx, qw, (ax * _INV_E4M3) * (aw * _INV_E4M3), out_dtype)
+    # the backward pass reads the float8 operands with the other dimension minor: written by
+    # the quantising kernels now, saved instead of the forward's layouts. Named: an island
+    # checkpoint (remat_float32) that holds this matmul saves them.
+    res = tuple(checkpoint_name(r, _compat.SAVED_NAME) for r in (_swap(qx), ax, _swap(qw), aw))
+    return y.reshape((*cx.batch_shape, *cx.kept_shape, *cw.kept_shape)), res
 
 
-def _make(dimension_numbers, out_dtype, x_dtype, w_dtype):
+def _make(dimension_numbers, x_shape, w_shape, out_dtype, x_dtype, w_dtype):
+    (xc, wc), (xb, wb) = dimension_numbers
+    cx, cw = _Canon(x_shape, xc, xb), _Canon(w_shape, wc, wb)
+
     @jax.custom_vjp
     def fp8_dot(x, w):
-        return _forward(x, w, dimension_numbers, out_dtype)[0]
+        return _forward(x, w, cx, cw, out_dtype)[0]
 
     def fwd(x, w):
-        return _forward(x, w, dimension_numbers, out_dtype)
+        return _forward(x, w, cx, cw, out_dtype)
 
     def bwd(res, g):
-        qx, ax, qw, aw = res
-        qg, ag = _quantize(g, E5M2)
+        qx_t, ax, qw_t, aw = res  # [B, K, M], [B, K, N]
+        m, n = cx.shape[-2], cw.shape[-2]
+        qg, ag = _quantize(g.reshape((*cx.shape[:-2], m, n)), E5M2)  # [B, M, N]
         sg, sx, sw = ag * _INV_E5M2, ax * _INV_E4M3, aw * _INV_E4M3
-        dx = _transpose_lhs(qg, qx.ndim, qw, dimension_numbers) * (sg * sw)
-        dw = _transpose_rhs(qg, qx, qw.ndim, dimension_numbers) * (sg * sx)
-        return dx.astype(x_dtype), dw.astype(w_dtype)
+        dx = _gemm(qg, qw_t, sg * sw, x_dtype)  # [B, M, K]
+        dw = _gemm(_swap(qg), qx_t, sg * sx, w_dtype)  # [B, N, K]
+        return cx.back(dx), cw.back(dw)
 
     fp8_dot.defvjp(fwd, bwd)
     return fp8_dot
@@ -182,7 +198,8 @@ def fp8_dot_general(x: Any, w: Any, dimension_numbers: Any, out_dtype: Any = jnp
         if d not in _dtypes.CASTABLE:
             raise TypeError(f"fp8_dot_general: {name} has dtype {d}; allowed: float16, bfloat16, float32.")
     dn = _dn(dimension_numbers)
-    return _make(dn, np.dtype(out_dtype), _dtypes.dtype_of(x), _dtypes.dtype_of(w))(x, w)
+    make = _make(dn, np.shape(x), np.shape(w), np.dtype(out_dtype), _dtypes.dtype_of(x), _dtypes.dtype_of(w))
+    return make(x, w)
 
 
 def gemm_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers: Any) -> tuple[int, int, int]:
