@@ -113,12 +113,14 @@ class _Canon:
         return lax.transpose(x, self.inverse) if self.inverse != tuple(range(len(self.inverse))) else x
 
 
-def _gemm(a, b, scale, dtype):
-    """``a [B, R, K] x b [B, S, K] -> [B, R, S]`` times ``scale`` in ``dtype`` (float32
-    accumulation; contracted dimensions minor). The GEMM writes ``dtype`` itself."""
+def _gemm(a, b, sa, sb, c, dtype):
+    """``a [B, R, K] x b [B, S, K] -> [B, R, S]`` times ``c * sa * sb`` in ``dtype`` (float32
+    accumulation; contracted dimensions minor). The GEMM writes ``dtype`` itself. The scales
+    are the operands' amaxes as the reductions wrote them and a constant: in cuBLAS mode
+    XLA passes them to cuBLASLt as they are, with no kernel to multiply two scalars first."""
     batch = ((0,), (0,)) if a.ndim == 3 else ((), ())
     y = lax.dot_general(a, b, ((((a.ndim - 1),), ((b.ndim - 1),)), batch), preferred_element_type=dtype)
-    return (y.astype(np.float32) * scale).astype(dtype)
+    return (y.astype(np.float32) * c * sa * sb).astype(dtype)
 
 
 def _swap(q):
@@ -139,7 +141,7 @@ def _forward(x, w, cx: _Canon, cw: _Canon, out_dtype):
     qx, ax = _quantize(cx.to(x), E4M3)  # [B, M, K]
     qw, aw = _quantize(cw.to(w), E4M3)  # [B, N, K]
     # [B, M, N]: dot_general's own output order (batch, lhs kept, rhs kept)
-    y = _gemm(qx, qw, (ax * _INV_E4M3) * (aw * _INV_E4M3), out_dtype)
+    y = _gemm(qx, qw, ax, aw, _INV_E4M3 * _INV_E4M3, out_dtype)
     # the backward pass reads the float8 operands with the other dimension minor: written by
     # the quantising kernels now, saved instead of the forward's layouts. Named: an island
     # checkpoint (remat_float32) that holds this matmul saves them.
@@ -162,9 +164,8 @@ def _make(dimension_numbers, x_shape, w_shape, out_dtype, x_dtype, w_dtype):
         qx_t, ax, qw_t, aw = res  # [B, K, M], [B, K, N]
         m, n = cx.shape[-2], cw.shape[-2]
         qg, ag = _quantize(g.reshape((*cx.shape[:-2], m, n)), E5M2)  # [B, M, N]
-        sg, sx, sw = ag * _INV_E5M2, ax * _INV_E4M3, aw * _INV_E4M3
-        dx = _gemm(qg, qw_t, sg * sw, x_dtype)  # [B, M, K]
-        dw = _gemm(_swap(qg), qx_t, sg * sx, w_dtype)  # [B, N, K]
+        dx = _gemm(qg, qw_t, ag, aw, _INV_E5M2 * _INV_E4M3, x_dtype)  # [B, M, K]
+        dw = _gemm(_swap(qg), qx_t, ag, ax, _INV_E5M2 * _INV_E4M3, w_dtype)  # [B, N, K]
         return cx.back(dx), cw.back(dw)
 
     fp8_dot.defvjp(fwd, bwd)
