@@ -7,14 +7,16 @@ like :func:`autocast.use_compute_precision` (a matmul in the compute dtype) and 
 
 - forward: each operand quantized to ``float8_e4m3fn`` with its own per-tensor *current*
   scale (``amax / fp8 max``, amax in float32; q 0 where amax is 0; values clipped before the
-  cast), the fp8 operands passed to ``lax.dot_general`` with a float32
-  ``preferred_element_type``, the product multiplied by ``sx * sw`` and stored in the
-  compute dtype (the form XLA-GPU rewrites into a cuBLASLt fp8 GEMM);
+  cast), viewed as ``[batch, rows, contracted]`` (contracted dimension minor, the layout
+  cuBLASLt's float8 GEMMs read), the fp8 operands passed to ``lax.dot_general`` with the
+  compute dtype as ``preferred_element_type`` (float32 accumulation) and the product
+  multiplied by ``c * amax_x * amax_w`` (the form XLA-GPU rewrites into one cuBLASLt fp8
+  GEMM, the amaxes its scale operands);
 - backward (``custom_vjp``): the cotangent quantized to ``float8_e5m2`` with its own
   scale; both transposed products in fp8 (e5m2 x e4m3) with float32 accumulation; each
   operand's gradient in the dtype the operand arrived in (a float32 parameter gets a
-  float32 gradient, no half-precision rounding). The residuals are the two fp8 operands
-  and their amaxes (the scales follow from them inside the kernels that use them).
+  float32 gradient, no half-precision rounding). The residuals are the two fp8 operands, in
+  the layouts the backward products read, and their amaxes.
 
 A non-finite operand or cotangent makes its scale non-finite, and the product (then the
 gradient) non-finite: overflow is never hidden from a loss scaler or ``find_overflow``.
