@@ -149,8 +149,13 @@ def _is_gemm_call(ins: _Instr) -> bool:
     return '"__triton_gemm"' in ins.line or bool(called and "gemm_fusion" in called.group(1))
 
 
-def _transposes_around_gemms(instrs: list[_Instr]) -> tuple[int, int]:
-    """GEMM operands made by, and GEMM launches whose result feeds, a transpose kernel."""
+_MOVES_ONLY = {"parameter", "transpose", "bitcast", "copy", "reshape", "tuple", "get-tuple-element", "constant"}
+
+
+def _transposes_around_gemms(instrs: list[_Instr], comps: dict[str, list[_Instr]]) -> tuple[int, int]:
+    """GEMM operands made by, and GEMM launches whose result feeds, a transpose kernel: a
+    transpose or copy, or a fusion that only moves data (a fusion that transposes while it
+    computes, e.g. the optimizer update, is a launch the step has anyway)."""
     made = {i.name: i for i in instrs}
     users: dict[str, list[_Instr]] = collections.defaultdict(list)
     for i in instrs:
@@ -163,8 +168,12 @@ def _transposes_around_gemms(instrs: list[_Instr]) -> tuple[int, int]:
             ins = made.get(ins.operands()[0]) if ins.operands() else None
         if ins is None:
             return False
+        if ins.op in ("transpose", "copy"):
+            return True
         called = _CALLS.search(ins.line)
-        return ins.op in ("transpose", "copy") or bool(called and "transpose" in called.group(1))
+        body = comps.get(called.group(1), []) if ins.op == "fusion" and called else []
+        ops = {i.op for i in body}
+        return "transpose" in ops and ops <= _MOVES_ONLY
 
     def consumers(name: str) -> list[_Instr]:
         out = []
@@ -194,8 +203,9 @@ def census(hlo: str) -> dict[str, Any]:
       metadata XLA keeps: JAX's name stack, forward and backward); ``f32_gemms_in_amp_stop``.
     - ``convolutions`` by operand dtypes (cuDNN calls), ``f32_convolutions``.
     - ``transposes_into_gemms`` / ``transposes_after_gemms``: GEMM operands made by, and
-      GEMM results consumed by, a transpose or copy kernel of its own (through bitcasts and
-      tuple elements), where XLA did not fold the layout change into the GEMM.
+      GEMM results consumed by, a transpose or copy kernel of its own (a copy, transpose or
+      fusion that only moves data; through bitcasts and tuple elements), where XLA did not
+      fold the layout change into the GEMM.
     """
     entry, comps = _parse(hlo)
     types = {i.name: i.shape for instrs in comps.values() for i in instrs}
@@ -221,7 +231,7 @@ def census(hlo: str) -> dict[str, Any]:
 
     into = after = 0
     for c in launch:
-        i, o = _transposes_around_gemms(comps[c])
+        i, o = _transposes_around_gemms(comps[c], comps)
         into, after = into + i, after + o
     return {
         "kernels": len(kernels),
