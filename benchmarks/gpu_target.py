@@ -38,8 +38,11 @@ def compile_system(task: Any, name: str, mode: str, sharding: Any, batch_mult: i
     state = (params, jax.eval_shape(opt.init, params), system.scaler)
     args = (*T.abstract(state, sharding), T.abstract(task.batch, sharding, batch_mult))
     t0 = time.perf_counter()
+    # the step as users run it: parameters, optimizer state, scaler and loss out (the measured
+    # benchmark also returns the gradient, to compare it with float32's; nothing runs here)
+    step = lambda *a: system.step(*a)[:4]  # noqa: E731
     with system.context():
-        jitted = jax.jit(system.step, donate_argnums=(0, 1, 2), compiler_options=T.MODES[mode])
+        jitted = jax.jit(step, donate_argnums=(0, 1, 2), compiler_options=T.MODES[mode])
         _, info = T.compile_for_target(jitted, args)
     info["compile_s"] = time.perf_counter() - t0
     return info
