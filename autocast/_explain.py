@@ -45,7 +45,9 @@ class Float8Matmul:
     count: int
     """How many times it runs (loop trip counts multiplied in)."""
     bytes_saved: int
-    """Bytes of its operands saved for the backward pass in float8 instead of the compute dtype."""
+    """Bytes the backward pass's residuals shrink by: its operands kept in float8 instead of
+    the compute dtype (an operand the backward quantizes again, a parameter or a value a
+    checkpoint recomputes, is kept as it is: 0)."""
     scopes: tuple[str, ...]
     path: tuple[str, ...]
     source: str
@@ -67,6 +69,7 @@ class _Record:
     shapes: tuple[tuple[int, ...], ...]
     eqn_id: int = 0
     float8: bool = False
+    float8_kept: tuple[bool, ...] = ()  # per operand: its float8 copy kept for the backward
     site: tuple[int, ...] = ()
     """ids of the enclosing higher-order equations: one call site of a body."""
 
@@ -81,7 +84,8 @@ class _Observer:
         self.starts: list[int] = []
         self.records: list[_Record] = []
         # ids of the equations a float8 rule bound in float8 (``_fp8._Float8Rule.binder``)
-        self.float8_eqns: set[int] = set()
+        # id(eqn) -> per operand, whether the backward pass quantizes it again (see _fp8)
+        self.float8_eqns: dict[int, tuple[bool, ...]] = {}
         # off once the program is transformed: rules JAX traces later (``jax.vjp`` below)
         # run in copies of the context that still hold this observer
         self.active = True
@@ -150,6 +154,7 @@ class _Observer:
                 shapes=tuple(tuple(getattr(x, "shape", np.shape(x))) for x in bound),
                 eqn_id=id(eqn),
                 float8=float8,
+                float8_kept=tuple(not r for r in self.float8_eqns.get(id(eqn), ())),
                 site=tuple(id(e) for e in self.stack),
             )
         )
@@ -274,7 +279,9 @@ class Explanation:
             Float8Matmul(
                 r.shapes,
                 r.mult,
-                r.mult * sum(int(np.prod(s, dtype=np.int64)) for s in r.shapes) * (half.itemsize - 1),
+                r.mult
+                * sum(int(np.prod(s, dtype=np.int64)) for s, kept in zip(r.shapes, r.float8_kept) if kept)
+                * (half.itemsize - 1),
                 r.scopes,
                 r.path,
                 r.source,

@@ -15,8 +15,10 @@ like :func:`autocast.use_compute_precision` (a matmul in the compute dtype) and 
 - backward (``custom_vjp``): the cotangent quantized to ``float8_e5m2`` with its own
   scale; both transposed products in fp8 (e5m2 x e4m3) with float32 accumulation; each
   operand's gradient in the dtype the operand arrived in (a float32 parameter gets a
-  float32 gradient, no half-precision rounding). The residuals are the two fp8 operands, in
-  the layouts the backward products read, and their amaxes.
+  float32 gradient, no half-precision rounding). The residuals are the amaxes and, per
+  operand, the operand itself where it costs nothing to keep (a parameter or input, or a
+  value an enclosing autocast checkpoint recomputes), quantized again in the backward pass
+  with the forward's amax; else its float8 value in the layout the backward product reads.
 
 A non-finite operand or cotangent makes its scale non-finite, and the product (then the
 gradient) non-finite: overflow is never hidden from a loss scaler or ``find_overflow``.
@@ -32,9 +34,10 @@ dtype unless a named scope maps it to ``fp8_any``.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -61,6 +64,21 @@ _HOOKS: dict[str, Any] = {}
 _seen_free: contextvars.ContextVar[Sequence[bool] | None] = contextvars.ContextVar("fp8_seen_free", default=None)
 
 
+# True while the interpreter evaluates equations inside an autocast checkpoint (an island of
+# ``remat_float32``), whose backward pass recomputes them from the island's inputs.
+_in_checkpoint: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8_in_checkpoint", default=False)
+
+
+@contextlib.contextmanager
+def in_checkpoint() -> Iterator[None]:
+    """Mark the float8 matmuls bound inside as recomputed by an enclosing checkpoint."""
+    token = _in_checkpoint.set(True)
+    try:
+        yield
+    finally:
+        _in_checkpoint.reset(token)
+
+
 def quantize(x: Any, dtype: Any = E4M3) -> tuple[jax.Array, jax.Array]:
     """Per-tensor current scaling: ``(q, scale)`` with ``q = clip(x / scale)`` in ``dtype``.
 
@@ -77,11 +95,17 @@ def _quantize(x: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
     into the quantising and the GEMM-epilogue kernels instead of launching one per scalar)."""
     dtype = np.dtype(dtype)
     fmax = float(jnp.finfo(dtype).max)
-    x32 = lax.convert_element_type(x, np.float32)
-    amax = jnp.max(jnp.abs(x32))
+    amax = jnp.max(jnp.abs(lax.convert_element_type(x, np.float32)))
+    return _quantize_with(x, amax, dtype), amax
+
+
+def _quantize_with(x: Any, amax: Any, dtype: Any) -> jax.Array:
+    """``x`` in float8 ``dtype`` scaled by a known ``amax`` (the backward pass quantises an
+    operand again with the amax its forward pass found: the same float8 values)."""
+    dtype = np.dtype(dtype)
+    fmax = float(jnp.finfo(dtype).max)
     inv = jnp.where(amax > 0, fmax / amax, 0.0)
-    q = jnp.clip(x32 * inv, -fmax, fmax).astype(dtype)
-    return q, amax
+    return jnp.clip(lax.convert_element_type(x, np.float32) * inv, -fmax, fmax).astype(dtype)
 
 
 def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
@@ -139,31 +163,48 @@ _INV_E4M3 = 1.0 / float(jnp.finfo(E4M3).max)
 _INV_E5M2 = 1.0 / float(jnp.finfo(E5M2).max)
 
 
-def _forward(x, w, cx: _Canon, cw: _Canon, out_dtype):
+def _saved(v):
+    # named: an autocast checkpoint (an island of remat_float32) saves it
+    return checkpoint_name(v, _compat.SAVED_NAME)
+
+
+def _residual(v, q, amax, requantize: bool):
+    """What the backward pass keeps of one operand: the operand itself where it costs no
+    memory (``requantize``: a parameter, or a value an enclosing checkpoint recomputes), to
+    be quantized again with the forward's amax; else its float8 value in the layout the
+    backward product reads (written by the forward's quantising kernel), half the bytes."""
+    return (v if requantize else _saved(_swap(q))), _saved(amax)
+
+
+def _backward_operand(r, amax, canon: _Canon, requantize: bool):
+    """The ``[B, K, rows]`` float8 operand of the backward products from a residual."""
+    return _quantize_with(_swap(canon.to(r)), amax, E4M3) if requantize else r
+
+
+def _forward(x, w, cx: _Canon, cw: _Canon, out_dtype, requantize: tuple[bool, bool]):
     qx, ax = _quantize(cx.to(x), E4M3)  # [B, M, K]
     qw, aw = _quantize(cw.to(w), E4M3)  # [B, N, K]
     # [B, M, N]: dot_general's own output order (batch, lhs kept, rhs kept)
     y = _gemm(qx, qw, ax, aw, _INV_E4M3 * _INV_E4M3, out_dtype)
-    # the backward pass reads the float8 operands with the other dimension minor: written by
-    # the quantising kernels now, saved instead of the forward's layouts. Named: an island
-    # checkpoint (remat_float32) that holds this matmul saves them.
-    res = tuple(checkpoint_name(r, _compat.SAVED_NAME) for r in (_swap(qx), ax, _swap(qw), aw))
+    res = (*_residual(x, qx, ax, requantize[0]), *_residual(w, qw, aw, requantize[1]))
     return y.reshape((*cx.batch_shape, *cx.kept_shape, *cw.kept_shape)), res
 
 
-def _make(dimension_numbers, x_shape, w_shape, out_dtype, x_dtype, w_dtype):
+def _make(dimension_numbers, x_shape, w_shape, out_dtype, x_dtype, w_dtype, requantize):
     (xc, wc), (xb, wb) = dimension_numbers
     cx, cw = _Canon(x_shape, xc, xb), _Canon(w_shape, wc, wb)
 
     @jax.custom_vjp
     def fp8_dot(x, w):
-        return _forward(x, w, cx, cw, out_dtype)[0]
+        return _forward(x, w, cx, cw, out_dtype, requantize)[0]
 
     def fwd(x, w):
-        return _forward(x, w, cx, cw, out_dtype)
+        return _forward(x, w, cx, cw, out_dtype, requantize)
 
     def bwd(res, g):
-        qx_t, ax, qw_t, aw = res  # [B, K, M], [B, K, N]
+        rx, ax, rw, aw = res
+        qx_t = _backward_operand(rx, ax, cx, requantize[0])  # [B, K, M]
+        qw_t = _backward_operand(rw, aw, cw, requantize[1])  # [B, K, N]
         m, n = cx.shape[-2], cw.shape[-2]
         qg, ag = _quantize(g.reshape((*cx.shape[:-2], m, n)), E5M2)  # [B, M, N]
         dx = _gemm(qg, qw_t, ag, aw, _INV_E5M2 * _INV_E4M3, x_dtype)  # [B, M, K]
@@ -174,7 +215,9 @@ def _make(dimension_numbers, x_shape, w_shape, out_dtype, x_dtype, w_dtype):
     return fp8_dot
 
 
-def fp8_dot_general(x: Any, w: Any, dimension_numbers: Any, out_dtype: Any = jnp.bfloat16) -> jax.Array:
+def fp8_dot_general(
+    x: Any, w: Any, dimension_numbers: Any, out_dtype: Any = jnp.bfloat16, requantize: Sequence[bool] = (False, False)
+) -> jax.Array:
     """``lax.dot_general(x, w, dimension_numbers)`` as a scaled float8 product.
 
     Forward in ``float8_e4m3fn`` x ``float8_e4m3fn`` with float32 accumulation, the result
@@ -186,6 +229,10 @@ def fp8_dot_general(x: Any, w: Any, dimension_numbers: Any, out_dtype: Any = jnp
     - `x`, `w`: float arrays (float16, bfloat16 or float32).
     - `dimension_numbers`: as for ``lax.dot_general``.
     - `out_dtype`: the dtype the result is stored in.
+    - `requantize`: per operand, whether the backward pass keeps the operand itself and
+      quantizes it again with the forward pass's amax (the same float8 values; right where
+      the operand is kept anyway: a parameter, or a value an enclosing checkpoint
+      recomputes) instead of keeping its float8 copy (half the bytes of bfloat16).
 
     **Returns:** the product, in ``out_dtype``.
 
@@ -201,7 +248,10 @@ def fp8_dot_general(x: Any, w: Any, dimension_numbers: Any, out_dtype: Any = jnp
         if d not in _dtypes.CASTABLE:
             raise TypeError(f"fp8_dot_general: {name} has dtype {d}; allowed: float16, bfloat16, float32.")
     dn = _dn(dimension_numbers)
-    make = _make(dn, np.shape(x), np.shape(w), np.dtype(out_dtype), _dtypes.dtype_of(x), _dtypes.dtype_of(w))
+    if len(requantize) != 2:
+        raise ValueError(f"fp8_dot_general: requantize={requantize!r}; must be two booleans (x, w).")
+    rq = (bool(requantize[0]), bool(requantize[1]))
+    make = _make(dn, np.shape(x), np.shape(w), np.dtype(out_dtype), _dtypes.dtype_of(x), _dtypes.dtype_of(w), rq)
     return make(x, w)
 
 
@@ -253,10 +303,13 @@ class _Float8Rule:
         out_dtype = np.dtype(pref) if pref is not None else _dtypes.dtype_of(cast[0])
         if out_dtype not in _dtypes.CASTABLE:
             return None
+        # a free operand (parameter, input) is kept anyway, and inside an autocast checkpoint
+        # (an island) a computed one is recomputed: there the backward pass quantizes again
+        requantize = tuple(bool(free and free[i]) or _in_checkpoint.get() for i in range(2))
         observer = getattr(ctx, "observer", None)
         if observer is not None and hasattr(observer, "float8_eqns"):  # autocast.explain
-            observer.float8_eqns.add(id(eqn))
-        return [fp8_dot_general(arrived[0], arrived[1], params["dimension_numbers"], out_dtype)]
+            observer.float8_eqns[id(eqn)] = requantize
+        return [fp8_dot_general(arrived[0], arrived[1], params["dimension_numbers"], out_dtype, requantize)]
 
     def __repr__(self) -> str:
         return self.__name__

@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 from jax import lax
 
-from . import _compat, _dtypes, _plan, _rules, _wide
+from . import _compat, _dtypes, _fp8, _plan, _rules, _wide
 from ._policy import Lookup
 
 # Primitives whose output is only a rearrangement (or a conversion) of their float
@@ -468,7 +468,7 @@ def _eval_island(
         def local_read(v):
             return (v.val, LITERAL) if isinstance(v, _compat.Literal) else local[v]
 
-        with _dtypes.memoised_casts():
+        with _dtypes.memoised_casts(), _fp8.in_checkpoint():
             for n, (eqn, step) in enumerate(zip(eqns, steps)):
                 _eval_eqn(ctx, eqn, step, local, local_read, scopes, marker if n < n_island else None)
         out_free[:] = [local[v][1] for v in outputs]

@@ -201,14 +201,34 @@ def test_saved_residuals_of_fp8_matmuls_are_fp8():
     # remat_float32=False: no recomputed island (whose checkpoint saves its own inputs)
     f = autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8, remat_float32=False)
     saved = _compat.saved_residuals(f, p, x)
-    dtypes = [str(aval.dtype) for aval, _ in saved]
-    # both operands of both matmuls, in float8 (the scales are float32 scalars)
     big = [(str(a.dtype), tuple(a.shape)) for a, _ in saved if a.size >= 32 * 16]
-    assert ("float8_e4m3fn", (32, 32)) in big and ("float8_e4m3fn", (32, 64)) in big
-    assert ("float8_e4m3fn", (64, 16)) in big
-    assert "float8_e4m3fn" in dtypes
-    # no float32/bf16 copy of a matmul operand: x (input), w1, h, w2 are saved only in fp8
-    assert not any(s in ((32, 32), (64, 16)) for d, s in big if not d.startswith("float8")), big
+    # the computed activation h (32 x 64) is kept in float8 only, in the layout the weight
+    # gradient reads (64 x 32), not also in bfloat16 (GELU keeps its own float32 values)
+    assert ("float8_e4m3fn", (64, 32)) in big, big
+    assert not any(s in ((32, 64), (64, 32)) for d, s in big if d == "bfloat16"), big
+    # x, w1 and w2 are arguments (kept anyway): no float8 copy of them, the backward pass
+    # quantizes them again with the forward's amaxes
+    assert sum(d.startswith("float8") for d, _ in big) == 1, big
+    # a computed operand inside an island's checkpoint is recomputed, not kept in float8
+    g = autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8, remat_float32=True)
+    assert not any(str(a.dtype).startswith("float8") for a, _ in _compat.saved_residuals(g, p, x))
+
+
+def test_requantized_backward_matches_saved_float8():
+    # keeping the operands and quantizing again with the forward's amax gives the same
+    # float8 values, hence the same gradients, as keeping their float8 copies
+    dn = (((1,), (0,)), ((), ()))
+    x, w = jnp.asarray(_rng(1, 24, 32)), jnp.asarray(_rng(2, 32, 16))
+    ct = jnp.asarray(_rng(3, 24, 16), jnp.bfloat16)
+    grads = [
+        jax.vjp(lambda a, b, r=r: _fp8.fp8_dot_general(a, b, dn, requantize=r), x, w)[1](ct)
+        for r in [(False, False), (True, True), (True, False)]
+    ]
+    for g in grads[1:]:
+        for a, b in zip(g, grads[0]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="requantize"):
+        _fp8.fp8_dot_general(x, w, dn, requantize=(True,))
 
 
 @pytest.mark.parametrize("where", ["input", "weight"])
@@ -303,7 +323,13 @@ def test_explain_reports_float8_matmuls_and_bytes_saved():
     assert len(report.float8_matmuls) == 4 and not report.float32_matmuls
     m = report.float8_matmuls[0]
     assert m.shape == ((24, 32), (32, 32)) and m.count == 1
-    assert m.bytes_saved == (24 * 32 + 32 * 32) * 1  # bf16 -> fp8: one byte per element
+    # x and wq are arguments: kept as they are, quantized again in the backward pass
+    assert m.bytes_saved == 0
+    # the attention output is computed: kept in float8 (one byte per element less than
+    # bfloat16) unless an island's checkpoint recomputes it (remat_float32, the default)
+    assert [f.bytes_saved for f in report.float8_matmuls] == [0, 0, 0, 0]
+    kept = autocast.explain(attention_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8, remat_float32=False)(p, x)
+    assert [f.bytes_saved for f in kept.float8_matmuls] == [0, 0, 0, 24 * 32]
     text = report._plain()
     assert "matmuls in float8: 4" in text and "test_fp8.py" in text
     assert report.to_dict()["float8_matmuls"][0]["bytes_saved"] == m.bytes_saved
