@@ -93,8 +93,6 @@ def quantize(x: Any, dtype: Any = E4M3) -> tuple[jax.Array, jax.Array]:
 def _quantize(x: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
     """``(q, amax)``: the scale's scalar arithmetic is left to the consumers (XLA fuses it
     into the quantising and the GEMM-epilogue kernels instead of launching one per scalar)."""
-    dtype = np.dtype(dtype)
-    fmax = float(jnp.finfo(dtype).max)
     amax = jnp.max(jnp.abs(lax.convert_element_type(x, np.float32)))
     return _quantize_with(x, amax, dtype), amax
 
