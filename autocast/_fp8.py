@@ -246,7 +246,7 @@ def fp8_dot_general(
         if d not in _dtypes.CASTABLE:
             raise TypeError(f"fp8_dot_general: {name} has dtype {d}; allowed: float16, bfloat16, float32.")
     dn = _dn(dimension_numbers)
-    if len(requantize) != 2:
+    if not isinstance(requantize, Sequence) or len(requantize) != 2:
         raise ValueError(f"fp8_dot_general: requantize={requantize!r}; must be two booleans (x, w).")
     rq = (bool(requantize[0]), bool(requantize[1]))
     make = _make(dn, np.shape(x), np.shape(w), np.dtype(out_dtype), _dtypes.dtype_of(x), _dtypes.dtype_of(w), rq)

@@ -227,8 +227,9 @@ def test_requantized_backward_matches_saved_float8():
     for g in grads[1:]:
         for a, b in zip(g, grads[0]):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(ValueError, match="requantize"):
-        _fp8.fp8_dot_general(x, w, dn, requantize=(True,))
+    for bad in [(True,), True]:
+        with pytest.raises(ValueError, match="requantize"):
+            _fp8.fp8_dot_general(x, w, dn, requantize=bad)
 
 
 @pytest.mark.parametrize("where", ["input", "weight"])

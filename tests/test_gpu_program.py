@@ -47,6 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import autocast  # noqa: E402
 from benchmarks import _gpu_target as T  # noqa: E402
+from benchmarks.vit import _Block  # noqa: E402
 
 KERNELS_FILE = Path(__file__).with_name("gpu_program_kernels.json")
 SLACK = 0.05  # a kernel count may grow by 5 % (at least 2) before the guard fails
@@ -57,24 +58,9 @@ def _sharding():
     return T.target_sharding("h100")
 
 
-class _Block(eqx.Module):
-    ln1: eqx.nn.LayerNorm
-    attn: eqx.nn.MultiheadAttention
-    ln2: eqx.nn.LayerNorm
-    fc1: eqx.nn.Linear
-    fc2: eqx.nn.Linear
-
-    def __init__(self, width, heads, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.ln1, self.ln2 = eqx.nn.LayerNorm(width), eqx.nn.LayerNorm(width)
-        self.attn = eqx.nn.MultiheadAttention(heads, width, key=k1)
-        self.fc1 = eqx.nn.Linear(width, 4 * width, key=k2)
-        self.fc2 = eqx.nn.Linear(4 * width, width, key=k3)
-
-    def __call__(self, x):
-        h = jax.vmap(self.ln1)(x)
-        x = x + self.attn(h, h, h)
-        return x + jax.vmap(self.fc2)(jax.nn.gelu(jax.vmap(self.fc1)(jax.vmap(self.ln2)(x))))
+def _block(width, heads, key):
+    """The benchmark ViT's encoder block (MultiheadAttention, LayerNorm, GELU MLP 4x wide)."""
+    return _Block(width, 4 * width, heads, key=key)
 
 
 class _ViT(eqx.Module):
@@ -85,7 +71,7 @@ class _ViT(eqx.Module):
     def __init__(self, key):
         k1, k2, k3 = jax.random.split(key, 3)
         self.patch = eqx.nn.Conv2d(3, 128, 8, stride=8, key=k1)
-        self.block = _Block(128, 4, k2)
+        self.block = _block(128, 4, k2)
         self.head = eqx.nn.Linear(128, 16, key=k3)
 
     def __call__(self, img):
@@ -102,7 +88,7 @@ def _models():
             jnp.ones((256, 256)),
         ),
         "vit": (_ViT(key), lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), jnp.ones((32, 3, 32, 32))),
-        "block": (_Block(128, 4, key), lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), jnp.ones((8, 64, 128))),
+        "block": (_block(128, 4, key), lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), jnp.ones((8, 64, 128))),
     }
 
 
