@@ -64,19 +64,29 @@ _HOOKS: dict[str, Any] = {}
 _seen_free: contextvars.ContextVar[Sequence[bool] | None] = contextvars.ContextVar("fp8_seen_free", default=None)
 
 
-# True while the interpreter evaluates equations inside an autocast checkpoint (an island of
-# ``remat_float32``), whose backward pass recomputes them from the island's inputs.
-_in_checkpoint: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8_in_checkpoint", default=False)
+# While the interpreter evaluates equations inside an autocast checkpoint (an island of
+# ``remat_float32``), whose backward pass recomputes them from the island's inputs: the
+# variables the checkpoint saves rather than recomputes (matmul results); else None.
+_in_checkpoint: contextvars.ContextVar[frozenset | None] = contextvars.ContextVar("fp8_in_checkpoint", default=None)
 
 
 @contextlib.contextmanager
-def in_checkpoint() -> Iterator[None]:
-    """Mark the float8 matmuls bound inside as recomputed by an enclosing checkpoint."""
-    token = _in_checkpoint.set(True)
+def in_checkpoint(saved: frozenset = frozenset()) -> Iterator[None]:
+    """Mark the float8 matmuls bound inside as recomputed by an enclosing checkpoint, except
+    for operands that are the jaxpr variables in ``saved`` (values the checkpoint keeps
+    only for these matmuls: their float8 copy is kept instead)."""
+    token = _in_checkpoint.set(frozenset(saved))
     try:
         yield
     finally:
         _in_checkpoint.reset(token)
+
+
+def _recomputed(var: Any) -> bool:
+    """Whether the backward pass has operand ``var`` at no cost: recomputed by the enclosing
+    autocast checkpoint (not one of the values it saves)."""
+    saved = _in_checkpoint.get()
+    return saved is not None and (isinstance(var, _compat.Literal) or var not in saved)
 
 
 def quantize(x: Any, dtype: Any = E4M3) -> tuple[jax.Array, jax.Array]:
@@ -303,7 +313,7 @@ class _Float8Rule:
             return None
         # a free operand (parameter, input) is kept anyway, and inside an autocast checkpoint
         # (an island) a computed one is recomputed: there the backward pass quantizes again
-        requantize = tuple(bool(free and free[i]) or _in_checkpoint.get() for i in range(2))
+        requantize = tuple(bool(free and free[i]) or _recomputed(eqn.invars[i]) for i in range(2))
         observer = getattr(ctx, "observer", None)
         if observer is not None and hasattr(observer, "float8_eqns"):  # autocast.explain
             observer.float8_eqns[id(eqn)] = requantize

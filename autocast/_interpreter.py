@@ -461,6 +461,7 @@ def _eval_island(
     in_vals = [read(v) for v in inputs]
     out_free: list[bool] = []
     marker = (object(), True)  # for Context.observer: one recomputed island
+    kept_for_matmul = _kept_for_matmul(eqns, steps, n_island, save, outputs)
 
     def island(*args):
         local = {v: (x, f) for v, x, (_, f) in zip(inputs, args, in_vals)}
@@ -468,7 +469,7 @@ def _eval_island(
         def local_read(v):
             return (v.val, LITERAL) if isinstance(v, _compat.Literal) else local[v]
 
-        with _dtypes.memoised_casts(), _fp8.in_checkpoint():
+        with _dtypes.memoised_casts(), _fp8.in_checkpoint(kept_for_matmul):
             for n, (eqn, step) in enumerate(zip(eqns, steps)):
                 _eval_eqn(ctx, eqn, step, local, local_read, scopes, marker if n < n_island else None)
         out_free[:] = [local[v][1] for v in outputs]
@@ -479,6 +480,29 @@ def _eval_island(
     outs = _compat.checkpoint(island, save)(*args)
     for v, x, f in zip(outputs, outs, out_free):
         env[v] = (x, f)
+
+
+def _kept_for_matmul(eqns: Sequence[Any], steps: Sequence, n_island: int, save: frozenset, outputs: Sequence[Any]):
+    """The values an island's checkpoint saves only for one matmul: the result of a saved
+    matmul (attention's ``probs @ values``) carried through linear equations (reshapes,
+    transposes), each read once and never outside the island. A float8 matmul reading one
+    keeps its float8 copy instead of having the half-precision value saved (half the bytes)."""
+    uses: dict[Any, int] = {}
+    for eqn in eqns:
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                uses[v] = uses.get(v, 0) + 1
+    escaping = set(outputs)
+    found: set = set()
+    for n, (eqn, (_, rule)) in enumerate(zip(eqns, steps)):
+        if n >= n_island and _rules.is_compute_rule(rule) and eqn.primitive.name in save:
+            root = True
+        else:
+            floats = [v for v in eqn.invars if not isinstance(v, _compat.Literal) and _dtypes.is_floating(v.aval.dtype)]
+            root = _plan.is_linear(eqn) and len(floats) == 1 and floats[0] in found
+        if root:
+            found.update(v for v in eqn.outvars if uses.get(v, 0) == 1 and v not in escaping)
+    return frozenset(found)
 
 
 def _tangent_free(eqns: Sequence[Any], inputs: Sequence[Any], outputs: Sequence[Any]) -> set:

@@ -214,6 +214,50 @@ def test_saved_residuals_of_fp8_matmuls_are_fp8():
     assert not any(str(a.dtype).startswith("float8") for a, _ in _compat.saved_residuals(g, p, x))
 
 
+def _requantize_in_every_checkpoint(monkeypatch):
+    """What the rule did before: every operand inside an island requantized (its
+    half-precision value saved or recomputed by the island's checkpoint)."""
+    monkeypatch.setattr(_fp8, "_recomputed", lambda var: _fp8._in_checkpoint.get() is not None)
+
+
+def test_attention_output_is_kept_in_float8_only(monkeypatch):
+    # o = softmax(...) @ v feeds only the output projection: the softmax island's checkpoint
+    # saves it (a matmul result, not recomputed), so its float8 copy is kept instead, in the
+    # layout the weight gradient reads, and no bfloat16 copy
+    p, x = _attn_params(), jnp.asarray(_rng(6, 24, 32))
+
+    def census():
+        f = autocast.amp(attention_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8)
+        saved = _compat.saved_residuals(f, p, x)
+        return sorted((str(a.dtype), tuple(a.shape)) for a, _ in saved if a.size >= 24 * 24)
+
+    now = census()
+    _requantize_in_every_checkpoint(monkeypatch)
+    before = census()
+    assert ("float8_e4m3fn", (32, 24)) in now and ("float8_e4m3fn", (32, 24)) not in before, (now, before)
+    # one bfloat16 activation became its float8 copy; every other residual is the same
+    before.remove(("bfloat16", (24, 32)))
+    now.remove(("float8_e4m3fn", (32, 24)))
+    assert now == before
+
+
+def test_float8_copy_in_an_island_gives_the_gradients_of_requantizing(monkeypatch):
+    # keeping the attention output's float8 copy, or the bfloat16 output to quantize again
+    # with the forward's amax (what every operand inside a checkpoint did before), gives the
+    # same float8 values: the same gradients, bit for bit
+    p, x = _attn_params(), jnp.asarray(_rng(6, 24, 32))
+
+    def grad():
+        return jax.jit(jax.grad(autocast.amp(attention_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8)))(p, x)
+
+    kept = grad()
+    _requantize_in_every_checkpoint(monkeypatch)
+    again = grad()
+    assert jax.tree.structure(kept) == jax.tree.structure(again)
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_requantized_backward_matches_saved_float8():
     # keeping the operands and quantizing again with the forward's amax gives the same
     # float8 values, hence the same gradients, as keeping their float8 copies
@@ -326,9 +370,10 @@ def test_explain_reports_float8_matmuls_and_bytes_saved():
     assert m.shape == ((24, 32), (32, 32)) and m.count == 1
     # x and wq are arguments: kept as they are, quantized again in the backward pass
     assert m.bytes_saved == 0
-    # the attention output is computed: kept in float8 (one byte per element less than
-    # bfloat16) unless an island's checkpoint recomputes it (remat_float32, the default)
-    assert [f.bytes_saved for f in report.float8_matmuls] == [0, 0, 0, 0]
+    # the attention output is computed (s @ v): kept in float8 (one byte per element less
+    # than bfloat16), also inside the softmax island's checkpoint, which would save it
+    # (a matmul result) rather than recompute it
+    assert [f.bytes_saved for f in report.float8_matmuls] == [0, 0, 0, 24 * 32]
     kept = autocast.explain(attention_loss, compute_dtype=jnp.bfloat16, amp_policy=FP8, remat_float32=False)(p, x)
     assert [f.bytes_saved for f in kept.float8_matmuls] == [0, 0, 0, 24 * 32]
     text = report._plain()
