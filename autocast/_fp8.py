@@ -15,7 +15,8 @@ like :func:`autocast.use_compute_precision` (a matmul in the compute dtype) and 
 - backward (``custom_vjp``): the cotangent quantized to ``float8_e5m2`` with its own
   scale; both transposed products in fp8 (e5m2 x e4m3) with float32 accumulation; each
   operand's gradient in the dtype the operand arrived in (a float32 parameter gets a
-  float32 gradient, no half-precision rounding). The residuals are the amaxes and, per
+  float32 gradient, no half-precision rounding; the rule rounds a computed activation's
+  gradient to the compute dtype first, as the compute-dtype matmul it replaces does). The residuals are the amaxes and, per
   operand, the operand itself where it costs nothing to keep (a parameter or input, or a
   value an enclosing autocast checkpoint recomputes), quantized again in the backward pass
   with the forward's amax; else its float8 value in the layout the backward product reads.
@@ -198,8 +199,9 @@ def _forward(x, w, cx: _Canon, cw: _Canon, out_dtype, requantize: tuple[bool, bo
     return y.reshape((*cx.batch_shape, *cx.kept_shape, *cw.kept_shape)), res
 
 
-def _make(dimension_numbers, x_shape, w_shape, out_dtype, x_dtype, w_dtype, requantize):
+def _make(dimension_numbers, x_shape, w_shape, out_dtype, x_dtype, w_dtype, requantize, grad_dtypes):
     (xc, wc), (xb, wb) = dimension_numbers
+    gx_dtype, gw_dtype = (d if d is not None else o for d, o in zip(grad_dtypes, (x_dtype, w_dtype)))
     cx, cw = _Canon(x_shape, xc, xb), _Canon(w_shape, wc, wb)
 
     @jax.custom_vjp
@@ -215,16 +217,21 @@ def _make(dimension_numbers, x_shape, w_shape, out_dtype, x_dtype, w_dtype, requ
         qw_t = _backward_operand(rw, aw, cw, requantize[1])  # [B, K, N]
         m, n = cx.shape[-2], cw.shape[-2]
         qg, ag = _quantize(g.reshape((*cx.shape[:-2], m, n)), E5M2)  # [B, M, N]
-        dx = _gemm(qg, qw_t, ag, aw, _INV_E5M2 * _INV_E4M3, x_dtype)  # [B, M, K]
-        dw = _gemm(_swap(qg), qx_t, ag, ax, _INV_E5M2 * _INV_E4M3, w_dtype)  # [B, N, K]
-        return cx.back(dx), cw.back(dw)
+        dx = _gemm(qg, qw_t, ag, aw, _INV_E5M2 * _INV_E4M3, gx_dtype)  # [B, M, K]
+        dw = _gemm(_swap(qg), qx_t, ag, ax, _INV_E5M2 * _INV_E4M3, gw_dtype)  # [B, N, K]
+        return cx.back(dx).astype(x_dtype), cw.back(dw).astype(w_dtype)
 
     fp8_dot.defvjp(fwd, bwd)
     return fp8_dot
 
 
 def fp8_dot_general(
-    x: Any, w: Any, dimension_numbers: Any, out_dtype: Any = jnp.bfloat16, requantize: Sequence[bool] = (False, False)
+    x: Any,
+    w: Any,
+    dimension_numbers: Any,
+    out_dtype: Any = jnp.bfloat16,
+    requantize: Sequence[bool] = (False, False),
+    grad_dtypes: Sequence[Any] = (None, None),
 ) -> jax.Array:
     """``lax.dot_general(x, w, dimension_numbers)`` as a scaled float8 product.
 
@@ -241,6 +248,9 @@ def fp8_dot_general(
       quantizes it again with the forward pass's amax (the same float8 values; right where
       the operand is kept anyway: a parameter, or a value an enclosing checkpoint
       recomputes) instead of keeping its float8 copy (half the bytes of bfloat16).
+    - `grad_dtypes`: per operand, the dtype its gradient product writes (then cast to the
+      operand's dtype); None: the operand's dtype. The compute dtype for an activation
+      rounds its gradient as a half-precision matmul would (and halves the buffer).
 
     **Returns:** the product, in ``out_dtype``.
 
@@ -259,7 +269,14 @@ def fp8_dot_general(
     if not isinstance(requantize, Sequence) or len(requantize) != 2:
         raise ValueError(f"fp8_dot_general: requantize={requantize!r}; must be two booleans (x, w).")
     rq = (bool(requantize[0]), bool(requantize[1]))
-    make = _make(dn, np.shape(x), np.shape(w), np.dtype(out_dtype), _dtypes.dtype_of(x), _dtypes.dtype_of(w), rq)
+    if not isinstance(grad_dtypes, Sequence) or len(grad_dtypes) != 2:
+        raise ValueError(f"fp8_dot_general: grad_dtypes={grad_dtypes!r}; must be two dtypes or None (x, w).")
+    gd = tuple(None if d is None else np.dtype(d) for d in grad_dtypes)
+    for d in gd:
+        if d is not None and d not in _dtypes.CASTABLE:
+            raise TypeError(f"fp8_dot_general: grad_dtypes has {d}; allowed: float16, bfloat16, float32 or None.")
+    dtypes = (_dtypes.dtype_of(x), _dtypes.dtype_of(w))
+    make = _make(dn, np.shape(x), np.shape(w), np.dtype(out_dtype), *dtypes, rq, gd)
     return make(x, w)
 
 
@@ -314,10 +331,15 @@ class _Float8Rule:
         # a free operand (parameter, input) is kept anyway, and inside an autocast checkpoint
         # (an island) a computed one is recomputed: there the backward pass quantizes again
         requantize = tuple(bool(free and free[i]) or _recomputed(eqn.invars[i]) for i in range(2))
+        # a parameter or input gets a gradient in its own dtype (float32: no rounding); a
+        # computed activation's gradient is rounded to the compute dtype, as in a compute-dtype
+        # matmul, whose cast to the compute dtype it stands for
+        grads = tuple(None if free is None or free[i] else out_dtype for i in range(2))
         observer = getattr(ctx, "observer", None)
         if observer is not None and hasattr(observer, "float8_eqns"):  # autocast.explain
             observer.float8_eqns[id(eqn)] = requantize
-        return [fp8_dot_general(arrived[0], arrived[1], params["dimension_numbers"], out_dtype, requantize)]
+        dn = params["dimension_numbers"]
+        return [fp8_dot_general(arrived[0], arrived[1], dn, out_dtype, requantize, grads)]
 
     def __repr__(self) -> str:
         return self.__name__

@@ -120,6 +120,51 @@ def test_gradients_keep_operand_dtypes():
     assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
 
 
+def test_grad_dtypes_round_an_activation_gradient_to_the_compute_dtype():
+    # float32 operands (a layer norm's output arrives in float32): grad_dtypes writes x's
+    # gradient in bfloat16 (then float32, the operand's dtype); w's stays float32
+    x, w = jnp.asarray(_rng(0, 32, 32)), jnp.asarray(_rng(1, 32, 16))
+    dn, ct = (((1,), (0,)), ((), ())), jnp.asarray(_rng(2, 32, 16), jnp.bfloat16)
+
+    def grads(gd):
+        return jax.vjp(lambda a, b: _fp8.fp8_dot_general(a, b, dn, jnp.bfloat16, grad_dtypes=gd), x, w)[1](ct)
+
+    (dx, dw), (dx32, dw32) = grads((jnp.bfloat16, None)), grads((None, None))
+    assert (dx.dtype, dw.dtype) == (jnp.float32, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw32))
+    assert not np.array_equal(np.asarray(dx32), np.asarray(dx32.astype(jnp.bfloat16).astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx.astype(jnp.bfloat16).astype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(dx32), rtol=2e-2, atol=1e-3)
+    for bad, err in [((jnp.bfloat16,), ValueError), ((jnp.int32, None), TypeError)]:
+        with pytest.raises(err, match="grad_dtypes"):
+            _fp8.fp8_dot_general(x, w, dn, grad_dtypes=bad)
+
+
+def test_policy_rounds_activation_gradients_like_a_bfloat16_matmul():
+    # LayerNorm's output (float32 inside its island) feeds a weight matmul: the backward
+    # product for the activation writes bfloat16, the weight gradient's writes float32
+    p = {"w": jax.random.normal(jax.random.key(0), (32, 64)) / 8, "w2": jax.random.normal(jax.random.key(1), (64, 16))}
+    x = jnp.asarray(_rng(3, 24, 32))
+
+    def loss(p, x):
+        h = (x - x.mean(-1, keepdims=True)) * lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+        return jnp.sum(jnp.tanh(h @ p["w"]) @ p["w2"])
+
+    f = autocast.amp(loss, compute_dtype=jnp.bfloat16, amp_policy=FP8)
+    outs = [
+        (str(e.invars[0].aval.dtype), str(e.outvars[0].aval.dtype), e.outvars[0].aval.shape)
+        for e, _ in walk(jax.make_jaxpr(jax.grad(f))(p, x))
+        if e.primitive.name == "dot_general" and str(e.invars[0].aval.dtype) == "float8_e5m2"
+    ]
+    # four backward products: two weight gradients (float32), two activation gradients (bfloat16)
+    assert sorted(d for _, d, _ in outs) == ["bfloat16", "bfloat16", "float32", "float32"], outs
+    g, g32 = jax.grad(f)(p, x), jax.grad(loss)(p, x)
+    assert g["w"].dtype == jnp.float32
+    for k in p:
+        err = float(jnp.linalg.norm(g[k] - g32[k]) / jnp.linalg.norm(g32[k]))
+        assert err < 0.1, (k, err)
+
+
 def test_bad_operand_dtype_is_named():
     with pytest.raises(TypeError, match="x has dtype int32"):
         _fp8.fp8_dot_general(jnp.ones((16, 16), jnp.int32), jnp.ones((16, 16)), (((1,), (0,)), ((), ())))
