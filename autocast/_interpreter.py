@@ -42,7 +42,9 @@ Sharp edges:
   backward pass rather than saved; with ``"auto"`` only where that cuts what the island
   keeps by a large factor (``_worth_recomputing``). A recomputed island's checkpoint also
   holds the matmuls that read it and saves only their outputs (``_absorbed_end``), so their
-  half-precision operand is recomputed, not kept.
+  half-precision operand is recomputed, not kept; and a product of two activations that
+  only the island reads (attention's scores before the softmax, ``_lead_ins``), so the
+  product is recomputed from its operands, which its own derivative keeps anyway.
 - A float32 result that only half-precision consumers read, through operations that
   commute with rounding (``relu``, data movement), is rounded where it is made
   (``_narrow``; the planner's ``narrow`` set).
@@ -62,6 +64,7 @@ from typing import Any
 
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from . import _compat, _dtypes, _fp8, _plan, _rules, _wide
 from ._policy import Lookup
@@ -222,24 +225,27 @@ def _eval_eqns(
         for v in jaxpr.outvars:
             if not isinstance(v, _compat.Literal):
                 last_use[v] = len(eqns)
+    lead = _lead_ins(eqns, plan, island, jaxpr.outvars) if any(island) and not ctx.recomputed else {}
     i = 0
     while i < len(eqns):
-        if not island[i]:
+        if i in lead and _recomputes(ctx, eqns[i : _island_end(eqns, plan, island, lead[i])], read):
+            # an activation product that only the island reads: recomputed with it
+            j = _island_end(eqns, plan, island, lead[i])
+            k = _absorbed_end(eqns, plan, island, j, lead)
+            _eval_island(ctx, eqns[i:k], plan[i:k], env, read, scopes, last_use, k, j - i)
+            j = k
+        elif not island[i]:
             widen = feeds_recomputed is not None and i in wide and not feeds_recomputed(i)
             _eval_eqn(ctx, eqns[i], plan[i], env, read, scopes, widen=widen)
             j = i + 1
         else:
             j = _island_end(eqns, plan, island, i)
-            if (
-                ctx.recomputed  # inside a recomputed island or checkpoint: recomputed already
-                or all(_plan.is_linear(e) for e in eqns[i:j])
-                or (ctx.remat_auto and not _worth_recomputing(eqns[i:j], lambda v: _nbytes(read(v)[0])))
-            ):
+            if not _recomputes(ctx, eqns[i:j], read):
                 marker = (object(), False)
                 for k in range(i, j):
                     _eval_eqn(ctx, eqns[k], plan[k], env, read, scopes, marker)
             else:
-                k = _absorbed_end(eqns, plan, island, j)
+                k = _absorbed_end(eqns, plan, island, j, lead)
                 _eval_island(ctx, eqns[i:k], plan[i:k], env, read, scopes, last_use, k, j - i)
                 j = k
         if narrow:
@@ -298,6 +304,73 @@ def _recomputed_consumers(ctx: Context, eqns: Sequence[Any], plan: list, island:
         return any(recomputed(*se) for se in {segment[k] for k in wide[i] if k in segment})
 
     return feeds
+
+
+def _recomputes(ctx: Context, eqns: Sequence[Any], read) -> bool:
+    """Whether an island (with its lead-in) is evaluated in its own checkpoint."""
+    if ctx.recomputed:  # inside a recomputed island or checkpoint: recomputed already
+        return False
+    if all(_plan.is_linear(e) for e in eqns):
+        return False
+    return not ctx.remat_auto or _worth_recomputing(eqns, lambda v: _nbytes(read(v)[0]))
+
+
+def _lead_ins(eqns: Sequence[Any], plan: list, island: list[bool], outvars: Sequence[Any]) -> dict[int, int]:
+    """Islands' lead-ins: ``{start: island start}``.
+
+    A lead-in is a compute-rule ``dot_general`` of two computed values (attention's
+    ``q @ k.T``) whose result, larger than either operand, only the island reads, possibly
+    through single-use equations with one array operand (a scale, a mask's ``where``).
+    Evaluated in the island's checkpoint, the product is recomputed in the backward pass
+    instead of saved as the island's input: the backward pass keeps its operands anyway
+    (its own derivative reads them), so this saves the product's bytes for one matmul's
+    FLOPs (attention's scores: the largest activation of a transformer).
+    """
+    readers: dict[Any, set[int]] = {}
+    for n, e in enumerate(eqns):
+        for v in e.invars:
+            if not isinstance(v, _compat.Literal):
+                readers.setdefault(v, set()).add(n)
+    for v in outvars:
+        if not isinstance(v, _compat.Literal):
+            readers.setdefault(v, set()).add(len(eqns))  # read after the jaxpr: escapes
+    producer = {v: eqn for eqn in eqns for v in eqn.outvars}
+
+    def computed(v: Any) -> bool:
+        while not isinstance(v, _compat.Literal) and v in producer:
+            eqn = producer[v]
+            if not _plan.is_linear(eqn):
+                return True
+            arrays = [u for u in eqn.invars if not isinstance(u, _compat.Literal) and u.aval.size > 1]
+            if len(arrays) != 1:
+                return False
+            v = arrays[0]
+        return False
+
+    found: dict[int, int] = {}
+    for j in range(1, len(eqns)):
+        if not island[j] or island[j - 1]:
+            continue
+        end = _island_end(eqns, plan, island, j)
+        k, wanted = j - 1, {v for e in eqns[j:end] for v in e.invars if not isinstance(v, _compat.Literal)}
+        while k >= 0 and not eqns[k].effects:
+            eqn = eqns[k]
+            out = eqn.outvars[0] if len(eqn.outvars) == 1 else None
+            # read by the island (and the lead-in after it) only
+            if out is None or out not in wanted or not readers.get(out, set()) <= set(range(k + 1, end)):
+                break
+            if plan[k][0] == _plan.RULE and _rules.is_compute_rule(plan[k][1]) and eqn.primitive.name == "dot_general":
+                ops = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
+                if len(ops) == 2 and all(computed(v) for v in ops) and out.aval.size >= max(v.aval.size for v in ops):
+                    found[k] = j
+                break
+            arrays = [u for u in eqn.invars if not isinstance(u, _compat.Literal) and _dtypes.is_castable(u.aval.dtype)]
+            arrays = [u for u in arrays if u.aval.size > 1]
+            if len(arrays) != 1:
+                break
+            wanted = {arrays[0]}
+            k -= 1
+    return found
 
 
 def _island_end(eqns: Sequence[Any], plan: list, island: list[bool], i: int) -> int:
@@ -411,7 +484,7 @@ def _worth_recomputing(eqns: Sequence[Any], nbytes) -> bool:
     return kept_if_saved >= _RECOMPUTE_RATIO * kept_if_recomputed
 
 
-def _absorbed_end(eqns: Sequence[Any], plan: list, island: list[bool], j: int) -> int:
+def _absorbed_end(eqns: Sequence[Any], plan: list, island: list[bool], j: int, lead: Mapping[int, int]) -> int:
     """End of a recomputed island extended over the matmuls that read it.
 
     The matmul (convolution) after a layer norm, a softmax or GELU needs its half-precision
@@ -420,10 +493,11 @@ def _absorbed_end(eqns: Sequence[Any], plan: list, island: list[bool], j: int) -
     saves only the matmul outputs, that operand is recomputed with the island, which the
     backward pass recomputes anyway. The island extends over the compute-rule equations
     that follow it and the linear ones between them (reshapes, bias adds, weight casts),
-    up to the last compute-rule one; nothing non-linear is recomputed twice.
+    up to the last compute-rule one and not over the next island's lead-in (``lead``);
+    nothing non-linear is recomputed twice.
     """
     k, last = j, j
-    while k < len(eqns) and not island[k] and not eqns[k].effects and plan[k][0] == _plan.RULE:
+    while k < len(eqns) and not island[k] and k not in lead and not eqns[k].effects and plan[k][0] == _plan.RULE:
         if _rules.is_compute_rule(plan[k][1]):
             last = k + 1
         elif not _plan.is_linear(eqns[k]):
@@ -449,9 +523,6 @@ def _eval_island(
     the matmuls that read the island (see :func:`_absorbed_end`): only their outputs are
     saved."""
     n_island = len(eqns) if n_island is None else n_island
-    save = frozenset(
-        e.primitive.name for e, (kind, rule) in zip(eqns[n_island:], steps[n_island:]) if _rules.is_compute_rule(rule)
-    )
     inputs = _island_inputs(eqns)
     outputs = [
         v for eqn in eqns for v in eqn.outvars if not isinstance(v, _compat.DropVar) and last_use.get(v, -1) >= end
@@ -461,7 +532,7 @@ def _eval_island(
     in_vals = [read(v) for v in inputs]
     out_free: list[bool] = []
     marker = (object(), True)  # for Context.observer: one recomputed island
-    kept_for_matmul = _kept_for_matmul(eqns, steps, n_island, save, outputs)
+    kept_for_matmul = _kept_for_matmul(eqns, steps, n_island, outputs)
 
     def island(*args):
         local = {v: (x, f) for v, x, (_, f) in zip(inputs, args, in_vals)}
@@ -472,17 +543,21 @@ def _eval_island(
         with _dtypes.memoised_casts(), _fp8.in_checkpoint(kept_for_matmul):
             for n, (eqn, step) in enumerate(zip(eqns, steps)):
                 _eval_eqn(ctx, eqn, step, local, local_read, scopes, marker if n < n_island else None)
+                if n >= n_island and _rules.is_compute_rule(step[1]):
+                    for v in eqn.outvars:  # the absorbed matmuls' results: saved
+                        if v in local and _dtypes.is_floating(_dtypes.dtype_of(local[v][0])):
+                            local[v] = (checkpoint_name(local[v][0], _compat.SAVED_NAME), local[v][1])
         out_free[:] = [local[v][1] for v in outputs]
         return [local[v][0] for v in outputs]
 
     dead = _tangent_free(eqns, inputs, outputs)
     args = [lax.stop_gradient(x) if v in dead else x for v, (x, _) in zip(inputs, in_vals)]
-    outs = _compat.checkpoint(island, save)(*args)
+    outs = _compat.checkpoint(island)(*args)
     for v, x, f in zip(outputs, outs, out_free):
         env[v] = (x, f)
 
 
-def _kept_for_matmul(eqns: Sequence[Any], steps: Sequence, n_island: int, save: frozenset, outputs: Sequence[Any]):
+def _kept_for_matmul(eqns: Sequence[Any], steps: Sequence, n_island: int, outputs: Sequence[Any]):
     """The values an island's checkpoint saves only for one matmul: the result of a saved
     matmul (attention's ``probs @ values``) carried through linear equations (reshapes,
     transposes), each read once and never outside the island. A float8 matmul reading one
@@ -495,7 +570,7 @@ def _kept_for_matmul(eqns: Sequence[Any], steps: Sequence, n_island: int, save: 
     escaping = set(outputs)
     found: set = set()
     for n, (eqn, (_, rule)) in enumerate(zip(eqns, steps)):
-        if n >= n_island and _rules.is_compute_rule(rule) and eqn.primitive.name in save:
+        if n >= n_island and _rules.is_compute_rule(rule):
             root = True
         else:
             floats = [v for v in eqn.invars if not isinstance(v, _compat.Literal) and _dtypes.is_floating(v.aval.dtype)]

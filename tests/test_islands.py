@@ -226,3 +226,69 @@ def test_matmul_after_a_recomputed_island_does_not_save_its_operand(dtype):
     v32, g32 = jax.value_and_grad(softmax_layernorm)(p, x)
     np.testing.assert_allclose(v, v32, rtol=5e-2, atol=1e-2)
     assert _tree_rel(g, g32) < 5e-2
+
+
+def _attention(p, x, mask=None):
+    """One-head attention with a residual and an MLP; ``mask``: a causal ``where`` (jitted,
+    as ``jnp.where`` in Equinox's attention)."""
+    q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+    s = (q / np.sqrt(q.shape[-1])) @ k.T
+    if mask is not None:
+        s = jnp.where(mask, s, jnp.finfo(s.dtype).min)
+    h = x + jax.nn.softmax(s, axis=-1) @ v @ p["wo"]
+    return jnp.sum(jax.nn.gelu(h @ p["w1"]) @ p["w2"])
+
+
+def _attention_params(t=128, d=32):
+    k = _keys(7)
+    p = {n: jax.random.normal(k[i], (d, d)) / np.sqrt(d) for i, n in enumerate(("wq", "wk", "wv", "wo"))}
+    p["w1"] = jax.random.normal(k[4], (d, 3 * d)) / np.sqrt(d)
+    p["w2"] = jax.random.normal(k[5], (3 * d, 1)) / np.sqrt(3 * d)
+    return p, jax.random.normal(k[6], (t, d))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "causal"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_attention_scores_are_recomputed_with_the_softmax_island(masked, dtype, monkeypatch):
+    """``q @ k.T`` (T x T, larger than q and k) is read only by the softmax island, through a
+    scale and a mask's ``where``: evaluated in the island's checkpoint, it is recomputed from
+    q and k (kept anyway: its own derivative reads them) instead of saved. No T x T value
+    (scores, probabilities, the broadcast mask) is kept; the result and gradients are those of the
+    scores saved, up to rounding."""
+    p, x = _attention_params()
+    t = x.shape[0]
+    mask = jnp.tril(jnp.ones((t, t), bool)) if masked else None
+    loss = lambda p, x: _attention(p, x, mask)
+
+    def square(f):  # T x T activations kept (the mask itself is the caller's constant)
+        saved = _compat.saved_residuals(f, p, x)
+        return [(str(a.dtype), src) for a, src in saved if a.size >= t * t and not src.startswith("from a constant")]
+
+    f = autocast.amp(loss, compute_dtype=dtype)
+    assert square(f) == [], square(f)
+    v, g = jax.jit(jax.value_and_grad(f))(p, x)
+    # the lead-in turned off: the scores are saved (the island's input), as before
+    monkeypatch.setattr(autocast._interpreter, "_lead_ins", lambda *a: {})
+    saved = autocast.amp(loss, compute_dtype=dtype)
+    assert len(square(saved)) >= 1, square(saved)
+    v_saved, g_saved = jax.jit(jax.value_and_grad(saved))(p, x)
+    # the same mixed-precision function: XLA may keep excess precision in one of the two
+    # evaluations of the scores (xla_allow_excess_precision), a rounding difference
+    np.testing.assert_allclose(np.float32(v), np.float32(v_saved), rtol=1e-3)
+    assert _tree_rel(g, g_saved) < 1e-3
+    v32, g32 = jax.value_and_grad(loss)(p, x)
+    np.testing.assert_allclose(np.float32(v), np.float32(v32), rtol=5e-2)
+    assert _tree_rel(g, g32) < 5e-2
+
+
+def test_weight_products_and_remat_off_keep_their_results():
+    """Only products of two computed values lead into an island: ``x @ w1`` before GELU is
+    not recomputed (a weight matmul: a whole GEMM for the backward pass), so its result is
+    kept; with ``remat_float32=False`` the scores are kept too."""
+    p, x = _attention_params()
+    t, d = x.shape
+    f = autocast.amp(_attention, compute_dtype=jnp.bfloat16)
+    hidden = [a for a, _ in _compat.saved_residuals(f, p, x) if a.size == t * 3 * d and a.dtype == jnp.bfloat16]
+    assert len(hidden) == 1, hidden
+    off = autocast.amp(_attention, compute_dtype=jnp.bfloat16, remat_float32=False)
+    assert any(a.size == t * t for a, _ in _compat.saved_residuals(off, p, x))
