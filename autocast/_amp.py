@@ -186,6 +186,9 @@ def amp(
       float32 intermediates. ``"auto"`` (default): only where its float32 intermediates
       are at least 1.75 times the bytes of its float inputs (islands fed by half-precision
       activations; not an LSTM cell that updates a float32 carry). ``True``: every island. ``False``: none.
+      A recomputed island also recomputes the matmuls that read it (their half-precision
+      operand is not kept) and a product of two activations only it reads (attention's
+      scores before the softmax: recomputed from ``q`` and ``k``, never kept).
     - ``weight_grad_dtype``: the dtype in which the gradient of a matmul operand narrowed
       from float32 (a parameter) leaves the matmul, and so the dtype of every reduction
       after it (data-parallel all-reduce, FSDP reduce-scatter, ``psum``, a scan's
