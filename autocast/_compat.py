@@ -691,6 +691,23 @@ def flag_on(name: str) -> bool:
     return bool(state is not None and state.value)
 
 
+def float8_residuals_exact() -> bool:
+    """Whether a float8 value that a ``custom_vjp`` forward pass names for a ``jax.checkpoint``
+    to save reaches the backward pass unchanged. Not with ``jax_remat3`` and
+    ``jax_custom_vjp3`` both on (JAX 0.12.0.1: some values come back changed; either flag
+    alone, bfloat16 and integer values are exact): there the float8 residuals of
+    :mod:`autocast._fp8` are saved as their ``uint8`` bits."""
+    return not (flag_on("remat3") and flag_on("custom_vjp3"))
+
+
+def checkpoint_keeps_custom_vjp_operands() -> bool:
+    """Whether a ``jax.checkpoint`` whose policy saves a ``custom_vjp`` 's primal operand
+    (a matmul result it names) keeps it even where the backward pass reads only the
+    residuals the forward pass named: so under ``jax_remat3`` (JAX 0.12.0.1). A float8 copy
+    kept besides it would then add bytes instead of replacing them."""
+    return flag_on("remat3")
+
+
 def with_flag(name: str, value: bool = True) -> contextlib.AbstractContextManager:
     """A context manager that sets ``jax_<name>`` for what is traced (on JAX 0.9, for what is
     decorated: define the function inside). Raises ``ValueError`` where JAX lacks the flag."""

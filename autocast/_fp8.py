@@ -182,12 +182,18 @@ def _residual(v, q, amax, requantize: bool):
     memory (``requantize``: a parameter, or a value an enclosing checkpoint recomputes), to
     be quantized again with the forward's amax; else its float8 value in the layout the
     backward product reads (written by the forward's quantising kernel), half the bytes."""
-    return (v if requantize else _saved(_swap(q))), _saved(amax)
+    if requantize:
+        return v, _saved(amax)
+    q = _swap(q)
+    # saved as its bits where a checkpoint would not give float8 residuals back exactly
+    return _saved(q if _compat.float8_residuals_exact() else lax.bitcast_convert_type(q, np.uint8)), _saved(amax)
 
 
 def _backward_operand(r, amax, canon: _Canon, requantize: bool):
     """The ``[B, K, rows]`` float8 operand of the backward products from a residual."""
-    return _quantize_with(_swap(canon.to(r)), amax, E4M3) if requantize else r
+    if requantize:
+        return _quantize_with(_swap(canon.to(r)), amax, E4M3)
+    return lax.bitcast_convert_type(r, E4M3) if r.dtype == np.uint8 else r
 
 
 def _forward(x, w, cx: _Canon, cw: _Canon, out_dtype, requantize: tuple[bool, bool]):

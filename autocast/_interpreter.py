@@ -561,7 +561,10 @@ def _kept_for_matmul(eqns: Sequence[Any], steps: Sequence, n_island: int, output
     """The values an island's checkpoint saves only for one matmul: the result of a saved
     matmul (attention's ``probs @ values``) carried through linear equations (reshapes,
     transposes), each read once and never outside the island. A float8 matmul reading one
-    keeps its float8 copy instead of having the half-precision value saved (half the bytes)."""
+    keeps its float8 copy instead of having the half-precision value saved (half the bytes);
+    not where the checkpoint would keep the value anyway (``jax_remat3``)."""
+    if _compat.checkpoint_keeps_custom_vjp_operands():
+        return frozenset()
     uses: dict[Any, int] = {}
     for eqn in eqns:
         for v in eqn.invars:

@@ -524,3 +524,26 @@ def test_the_planner_sees_through_hijax_bodies(flags):
     assert got == want == ["float16", "float32"], (got, want)
     assert res == want_res
     assert not [r for r in res if r[0] == (256, 64) and r[1] == "float32"], res
+
+
+def test_fp8_residuals_in_a_checkpoint_are_exact(flags):
+    """A float8 copy that an fp8 matmul keeps reaches its backward pass unchanged inside a
+    user's ``jax.checkpoint`` whatever the encodings (with ``jax_remat3`` and
+    ``jax_custom_vjp3`` together JAX changes float8 residuals: they are saved as bits)."""
+    from autocast import _fp8
+
+    dn = (((1,), (0,)), ((), ()))
+    x = jax.random.normal(jax.random.key(0), (24, 32))
+    w = jax.random.normal(jax.random.key(1), (32, 16))
+    pol = lambda prim, *_, **p: prim.name == "name" and p.get("name") == _compat.SAVED_NAME
+
+    def inner(x, w):
+        return _fp8.fp8_dot_general(jnp.tanh(x).astype(jnp.bfloat16), w, dn, jnp.bfloat16).astype(jnp.float32)
+
+    def loss(x, w, ck):
+        f = jax.checkpoint(inner, policy=pol) if ck else inner
+        return jnp.sum(f(x, w) ** 2)
+
+    plain, ck = (jax.grad(loss, (0, 1))(x, w, c) for c in (False, True))
+    for a, b in zip(plain, ck):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
