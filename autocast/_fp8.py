@@ -277,10 +277,10 @@ def fp8_dot_general(
     rq = (bool(requantize[0]), bool(requantize[1]))
     if not isinstance(grad_dtypes, Sequence) or len(grad_dtypes) != 2:
         raise ValueError(f"fp8_dot_general: grad_dtypes={grad_dtypes!r}; must be two dtypes or None (x, w).")
-    gd = tuple(None if d is None else np.dtype(d) for d in grad_dtypes)
-    for d in gd:
-        if d is not None and d not in _dtypes.CASTABLE:
-            raise TypeError(f"fp8_dot_general: grad_dtypes has {d}; allowed: float16, bfloat16, float32 or None.")
+    gd = tuple(None if g is None else np.dtype(g) for g in grad_dtypes)
+    for g in gd:
+        if g is not None and g not in _dtypes.CASTABLE:
+            raise TypeError(f"fp8_dot_general: grad_dtypes has {g}; allowed: float16, bfloat16, float32 or None.")
     dtypes = (_dtypes.dtype_of(x), _dtypes.dtype_of(w))
     make = _make(dn, np.shape(x), np.shape(w), np.dtype(out_dtype), *dtypes, rq, gd)
     return make(x, w)
