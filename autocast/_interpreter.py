@@ -228,9 +228,9 @@ def _eval_eqns(
     lead = _lead_ins(eqns, plan, island, jaxpr.outvars) if any(island) and not ctx.recomputed else {}
     i = 0
     while i < len(eqns):
-        if i in lead and _recomputes(ctx, eqns[i : _island_end(eqns, plan, island, lead[i])], read):
+        j = _island_end(eqns, plan, island, lead[i]) if i in lead else i
+        if j > i and _recomputes(ctx, eqns[i:j], read):
             # an activation product that only the island reads: recomputed with it
-            j = _island_end(eqns, plan, island, lead[i])
             k = _absorbed_end(eqns, plan, island, j, lead)
             _eval_island(ctx, eqns[i:k], plan[i:k], env, read, scopes, last_use, k, j - i)
             j = k
@@ -326,14 +326,7 @@ def _lead_ins(eqns: Sequence[Any], plan: list, island: list[bool], outvars: Sequ
     (its own derivative reads them), so this saves the product's bytes for one matmul's
     FLOPs (attention's scores: the largest activation of a transformer).
     """
-    readers: dict[Any, set[int]] = {}
-    for n, e in enumerate(eqns):
-        for v in e.invars:
-            if not isinstance(v, _compat.Literal):
-                readers.setdefault(v, set()).add(n)
-    for v in outvars:
-        if not isinstance(v, _compat.Literal):
-            readers.setdefault(v, set()).add(len(eqns))  # read after the jaxpr: escapes
+    readers = _readers(eqns, outvars)
     producer = {v: eqn for eqn in eqns for v in eqn.outvars}
 
     def computed(v: Any) -> bool:
@@ -364,13 +357,30 @@ def _lead_ins(eqns: Sequence[Any], plan: list, island: list[bool], outvars: Sequ
                 if len(ops) == 2 and all(computed(v) for v in ops) and out.aval.size >= max(v.aval.size for v in ops):
                     found[k] = j
                 break
-            arrays = [u for u in eqn.invars if not isinstance(u, _compat.Literal) and _dtypes.is_castable(u.aval.dtype)]
-            arrays = [u for u in arrays if u.aval.size > 1]
+            arrays = [
+                u
+                for u in eqn.invars
+                if not isinstance(u, _compat.Literal) and _dtypes.is_castable(u.aval.dtype) and u.aval.size > 1
+            ]
             if len(arrays) != 1:
                 break
             wanted = {arrays[0]}
             k -= 1
     return found
+
+
+def _readers(eqns: Sequence[Any], outvars: Sequence[Any] = ()) -> dict[Any, set[int]]:
+    """Variable -> the indices of the equations that read it (``len(eqns)`` for ``outvars``:
+    read after the equations)."""
+    readers: dict[Any, set[int]] = {}
+    for n, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                readers.setdefault(v, set()).add(n)
+    for v in outvars:
+        if not isinstance(v, _compat.Literal):
+            readers.setdefault(v, set()).add(len(eqns))
+    return readers
 
 
 def _island_end(eqns: Sequence[Any], plan: list, island: list[bool], i: int) -> int:
@@ -565,12 +575,7 @@ def _kept_for_matmul(eqns: Sequence[Any], steps: Sequence, n_island: int, output
     not where the checkpoint would keep the value anyway (``jax_remat3``)."""
     if _compat.checkpoint_keeps_custom_vjp_operands():
         return frozenset()
-    uses: dict[Any, int] = {}
-    for eqn in eqns:
-        for v in eqn.invars:
-            if not isinstance(v, _compat.Literal):
-                uses[v] = uses.get(v, 0) + 1
-    escaping = set(outputs)
+    readers = _readers(eqns, outputs)  # an output: read outside the island too
     found: set = set()
     for n, (eqn, (_, rule)) in enumerate(zip(eqns, steps)):
         if n >= n_island and _rules.is_compute_rule(rule):
@@ -579,7 +584,7 @@ def _kept_for_matmul(eqns: Sequence[Any], steps: Sequence, n_island: int, output
             floats = [v for v in eqn.invars if not isinstance(v, _compat.Literal) and _dtypes.is_floating(v.aval.dtype)]
             root = _plan.is_linear(eqn) and len(floats) == 1 and floats[0] in found
         if root:
-            found.update(v for v in eqn.outvars if uses.get(v, 0) == 1 and v not in escaping)
+            found.update(v for v in eqn.outvars if len(readers.get(v, ())) == 1 and len(eqns) not in readers[v])
     return frozenset(found)
 
 
