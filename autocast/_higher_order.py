@@ -370,11 +370,7 @@ def _bwd_under_policy(
         return [c for c in out if not (c is None or _compat.is_zero(c))]
 
     jaxpr, consts = _compat.trace_to_jaxpr(traced, avals)
-    out32 = [
-        _dtypes.is_castable(d) and np.dtype(d) == _dtypes.FLOAT32
-        for d, k in zip(in_dtypes, kept)
-        if k
-    ]
+    out32 = [_dtypes.is_castable(d) and np.dtype(d) == _dtypes.FLOAT32 for d, k in zip(in_dtypes, kept) if k]
     args = [x for x, t in zip(values, dynamic) if t]
     bctx = ctx.inside_recomputed_island()  # nothing in a backward pass is saved for another
     outs, _ = eval_jaxpr(bctx, jaxpr, consts, args, [False] * len(args), scopes, out32)

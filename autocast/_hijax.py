@@ -25,12 +25,12 @@ from typing import Any
 from . import _compat
 from ._higher_order import (
     _current_dtypes,
+    call_computes_in_float32,
     checkpoint,
     checkpoint_pulls,
     custom_jvp,
     custom_vjp,
     hi_original,
-    call_computes_in_float32,
 )
 from ._interpreter import Context, original_dtypes, transform_jaxpr
 from ._registry import register_higher_order
