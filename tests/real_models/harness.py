@@ -108,16 +108,11 @@ def _leaves(tree: Any) -> list[np.ndarray]:
     return [np.asarray(x, np.float32) for x in jax.tree_util.tree_leaves(tree)]
 
 
-# Codegen-only XLA options (as tests/test_models_equinox.py): XLA's HLO passes still run,
-# only LLVM's backend optimisation is lowered; compile time dominates for tiny models.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
 @functools.cache
 def train_step(model: Model, dtype: str) -> Callable:
     """``jit(value_and_grad(amp(loss)))``, one per model and dtype: the padded and the
     unpadded batch have the same shapes, so they share one compilation."""
-    return jax.jit(jax.value_and_grad(amp_loss(model, dtype)), compiler_options=FAST_COMPILE)
+    return jax.jit(jax.value_and_grad(amp_loss(model, dtype)))  # XLA_FLAGS: tests/real_models/conftest.py
 
 
 @functools.cache
@@ -152,9 +147,7 @@ def errors(model: Model, dtype: str, batch: str) -> dict[str, float]:
     a, b = m["grads"], ref["grads"]
     total = float(np.sqrt(sum(np.sum(y.astype(np.float64) ** 2) for y in b)))
     diff = float(np.sqrt(sum(np.sum((x.astype(np.float64) - y) ** 2) for x, y in zip(a, b))))
-    leaf = [
-        float(np.linalg.norm(x - y) / np.linalg.norm(y)) for x, y in zip(a, b) if np.linalg.norm(y) >= 1e-3 * total
-    ]
+    leaf = [float(np.linalg.norm(x - y) / np.linalg.norm(y)) for x, y in zip(a, b) if np.linalg.norm(y) >= 1e-3 * total]
     return dict(
         loss=abs(m["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30),
         grad=diff / max(total, 1e-30),

@@ -25,8 +25,8 @@ B, L, D, HEADS = 4, 16, 32, 4
 LENGTHS = (16, 11, 5, 1)
 
 
-def _batch(padded: bool, key=jax.random.key(1)):
-    kx, ky = jax.random.split(key)
+def _batch(padded: bool):
+    kx, ky = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (B, L, D))
     y = jax.random.normal(ky, (B, L, D))
     lengths = jnp.array(LENGTHS if padded else (L,) * B)

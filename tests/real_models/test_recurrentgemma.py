@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-import recurrentgemma
 from harness import CHECKS, HALF, Model, Tol, build, run_all_checks
+from recurrentgemma import common
 from recurrentgemma import jax as rg
 
 B, L, VOCAB, WIDTH = 4, 16, 64, 32
-RECURRENT, ATTENTION = recurrentgemma.TemporalBlockType.RECURRENT, recurrentgemma.TemporalBlockType.ATTENTION
+RECURRENT, ATTENTION = common.TemporalBlockType.RECURRENT, common.TemporalBlockType.ATTENTION
 
 
 def _batch(padded: bool):
@@ -38,7 +38,7 @@ def _batch(padded: bool):
 
 
 def _griffin(scan_type) -> Model:
-    config = recurrentgemma.GriffinConfig(
+    config = common.GriffinConfig(
         vocab_size=VOCAB,
         width=WIDTH,
         mlp_expanded_width=3 * WIDTH,
@@ -69,11 +69,11 @@ def _griffin(scan_type) -> Model:
 
 
 def griffin_linear() -> Model:
-    return _griffin(recurrentgemma.ScanType.LINEAR_NATIVE)
+    return _griffin(common.ScanType.LINEAR_NATIVE)
 
 
 def griffin_associative() -> Model:
-    return _griffin(recurrentgemma.ScanType.ASSOCIATIVE_NATIVE)
+    return _griffin(common.ScanType.ASSOCIATIVE_NATIVE)
 
 
 MODELS = {"linear": griffin_linear, "associative": griffin_associative}
