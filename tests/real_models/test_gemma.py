@@ -1,8 +1,8 @@
 """Gemma 3 (Google DeepMind's ``gemma`` package, ``gm.nn.Transformer``) under ``amp``.
 
 A tiny Gemma 3 configuration with the architecture of ``gm.nn.Gemma3_1B`` (QK norm, post
-attention and post FFW norms, grouped-query attention, the 5:1 pattern of sliding-window
-and global layers, two RoPE frequencies), built as the package builds its own test model
+attention and post FFW norms, grouped-query attention, a sliding-window layer and a global
+one, two RoPE frequencies), built as the package builds its own test model
 (``gm.testing.DummyGemma``: a ``TransformerConfig``), float32 parameters from
 ``model.init``. The loss is the next-token cross-entropy over the non-padding tokens.
 
@@ -35,7 +35,7 @@ CONFIG = gm.nn.config.TransformerConfig(
     use_post_attn_norm=True,
     use_post_ffw_norm=True,
     use_qk_norm=True,
-    attention_types=(LOCAL, LOCAL, LOCAL, LOCAL, LOCAL, GLOBAL),
+    attention_types=(LOCAL, GLOBAL),  # Gemma 3 interleaves 5 local : 1 global; one of each here
     query_pre_attn_norm=gm.nn.config.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_HEAD_DIM,
     attn_logits_soft_cap=None,
     sliding_window_size=4,
