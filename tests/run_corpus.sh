@@ -24,14 +24,21 @@ fi
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" KERAS_BACKEND=jax AUTOCAST_CORPUS=1
 RG_FILE=tests/real_models/test_recurrentgemma.py
 status=0
-start=$SECONDS
 ensure_venv .venv-corpus-rg "$py" test,corpus-recurrentgemma
 rg_python="$VENV_PYTHON"
 ensure_venv .venv-corpus "$py" test,corpus
 cd "$PROJECT_ROOT"
 "$VENV_PYTHON" -c 'import sys, jax; print(f"=== corpus: python {sys.version.split()[0]}, jax {jax.__version__}")'
-# One pytest run per environment, each with two workers (a file stays on one worker).
+start=$SECONDS
+# One pytest run per environment, at the same time: two workers for .venv-corpus (a file
+# stays on one worker), one for recurrentgemma's file, whose output follows the first's.
+rg_log="$(mktemp)"
+"$rg_python" -m pytest -p no:cacheprovider -q "$RG_FILE" "$@" >"$rg_log" 2>&1 &
+rg_pid=$!
 "$VENV_PYTHON" -m pytest -p no:cacheprovider -n 2 -q tests/real_models --ignore="$RG_FILE" "$@" || status=1
-"$rg_python" -m pytest -p no:cacheprovider -q "$RG_FILE" "$@" || status=1
-echo "corpus lane: $([ $status = 0 ] && echo passed || echo FAILED) in $((SECONDS - start)) s"
+wait "$rg_pid" || status=1
+echo "=== corpus: $RG_FILE (.venv-corpus-rg)"
+cat "$rg_log"
+rm -f "$rg_log"
+echo "corpus lane: $([ $status = 0 ] && echo passed || echo FAILED) in $((SECONDS - start)) s (after the virtualenvs)"
 exit $status

@@ -68,7 +68,8 @@ class Model:
     loss: Callable[[Any, Any], jax.Array]
     tol: dict[str, Tol]
     min_half_fraction: float = 1.0
-    notes: str = ""
+    # why amp's residuals may equal float32's (then only amp <= float32 is checked)
+    residuals_not_smaller: str = ""
 
 
 @functools.cache
@@ -199,7 +200,10 @@ def check_matmuls_half(model: Model, dtype: str) -> None:
 
 def check_residuals_smaller(model: Model, dtype: str) -> None:
     amp, f32 = residuals(model, dtype), residuals(model, "float32")
-    assert amp < f32, f"{model.name}/{dtype}: residuals {amp} bytes under amp, {f32} in float32"
+    if model.residuals_not_smaller:
+        assert amp <= f32, f"{model.name}/{dtype}: residuals {amp} bytes under amp, {f32} in float32"
+    else:
+        assert amp < f32, f"{model.name}/{dtype}: residuals {amp} bytes under amp, {f32} in float32"
 
 
 def check_explain(model: Model, dtype: str) -> None:

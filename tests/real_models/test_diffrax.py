@@ -26,10 +26,15 @@ import pytest
 from harness import CHECKS, HALF, Model, Tol, build, run_all_checks
 
 B, T, DATA = 4, 16, 2
-MAX_STEPS = 64
+MAX_STEPS = 256
 
 
 def _solve(term, t0, t1, y0, saveat):
+    # the examples' solver and tolerances. In half precision the controller takes more
+    # steps (the neural CDE: 17-19 accepted steps per path in float32, 27-29 in float16,
+    # 53-76 in bfloat16, plus rejected ones), so a max_steps that float32 meets (64) can
+    # fail in bfloat16 (docs/real-models.md). 256, not diffrax's default 4096: the
+    # checkpointed loop's size follows max_steps, and with it the compile time
     return diffrax.diffeqsolve(
         term,
         diffrax.Tsit5(),
@@ -37,7 +42,7 @@ def _solve(term, t0, t1, y0, saveat):
         t1,
         dt0=None,
         y0=y0,
-        stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-6, dtmin=1e-3),
+        stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-6),
         saveat=saveat,
         max_steps=MAX_STEPS,
     )
@@ -63,7 +68,16 @@ def neural_ode() -> Model:
 
     # Measured on CPU, JAX 0.12: see docs/real-models.md; about 3x margin.
     tol = {"float16": Tol(loss=5e-3, grad=2e-2), "bfloat16": Tol(loss=3e-2, grad=1e-1)}
-    return Model("neural ODE (Tsit5, PID)", "diffrax", params, batches, loss, tol)
+    return Model(
+        "neural ODE (Tsit5, PID)",
+        "diffrax",
+        params,
+        batches,
+        loss,
+        tol,
+        residuals_not_smaller="RecursiveCheckpointAdjoint saves no activation: the residuals are the parameters "
+        "and constants (9.4 KiB), the same under amp",
+    )
 
 
 class CDEFunc(eqx.Module):
