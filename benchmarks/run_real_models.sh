@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The real-model corpus's results table (benchmarks/results/real-models.md and .json):
+# every model of tests/real_models/ in float32, float16 and bfloat16, in the corpus lane's
+# two virtualenvs (made by tests/run_corpus.sh, which this calls with --co to set them up).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash tests/run_corpus.sh --co -q >/dev/null
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" KERAS_BACKEND=jax
+out=.cache/real-models
+main_files=(test_attention test_gemma test_keras_hub test_diffrax test_haiku test_jraph)
+.venv-corpus/bin/python -m benchmarks.real_models --part main --out-dir "$out" --files "${main_files[@]}"
+.venv-corpus-rg/bin/python -m benchmarks.real_models --part recurrentgemma --out-dir "$out" --files test_recurrentgemma
+.venv-corpus/bin/python -m benchmarks.real_models --render "$out/main.json" "$out/recurrentgemma.json" \
+  --command "bash benchmarks/run_real_models.sh"
