@@ -8,6 +8,8 @@ holds drop-in versions of the jmp, MPX and jaxamp APIs.
 
 from . import _higher_order, _hijax  # noqa: F401  (register the higher-order handlers)
 from ._amp import amp as amp
+from ._checkpoint import restore_train_state as restore_train_state
+from ._checkpoint import save_train_state as save_train_state
 from ._explain import Explanation as Explanation
 from ._explain import explain as explain
 from ._fp8 import use_float8 as use_float8
@@ -66,6 +68,8 @@ __all__ = [
     "load_policy",
     "optimizer_update",
     "register_rule",
+    "restore_train_state",
+    "save_train_state",
     "select_tree",
     "stochastic_round",
     "to_float32_opt_state",

@@ -59,7 +59,9 @@ def _stored_in_half(x: Any) -> bool:
 
 def _widen(tree: Any, dtype: np.dtype) -> Any:
     """Leaves of `dtype` with at least one dimension as float32 (exact)."""
-    return jax.tree.map(lambda x: x.astype(jnp.float32) if eqx.is_array(x) and x.dtype == dtype and x.ndim >= 1 else x, tree)
+    return jax.tree.map(
+        lambda x: x.astype(jnp.float32) if eqx.is_array(x) and x.dtype == dtype and x.ndim >= 1 else x, tree
+    )
 
 
 def _upcast_half(tree: Any) -> Any:

@@ -104,7 +104,9 @@ def test_bf16_sr_step_matches_float32_in_expectation():
             w = np.asarray(w, np.float64)
             spacing = np.abs(w) * 2.0**-7 + 1e-30  # bfloat16's spacing is at most 2**-7 relative
             # the mean of n draws is within 6 standard deviations (<= spacing / 2 / sqrt(n)) of the float32 value
-            assert np.all(np.abs(g.mean(0) - w) <= 6 * spacing / 2 / np.sqrt(n)), np.max(np.abs(g.mean(0) - w) / spacing)
+            assert np.all(np.abs(g.mean(0) - w) <= 6 * spacing / 2 / np.sqrt(n)), np.max(
+                np.abs(g.mean(0) - w) / spacing
+            )
             assert np.any(g.std(0) > 0)  # really stochastic
 
 
@@ -113,7 +115,9 @@ def test_non_finite_step_with_a_key_is_bit_identical():
     params = to_half_params(_params())
     state = optim.init(params)
     grads = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), params)
-    new_params, new_state = eqx.filter_jit(optimizer_update)(params, optim, state, grads, jnp.array(False), key=jax.random.key(1))
+    new_params, new_state = eqx.filter_jit(optimizer_update)(
+        params, optim, state, grads, jnp.array(False), key=jax.random.key(1)
+    )
     assert _bits(new_params) == _bits(params) and _bits(new_state) == _bits(state)
 
 
@@ -179,9 +183,7 @@ def _train(model, loss, steps=40, compute_dtype=BF16, scaler=None, policy=None, 
     optim = half_state(optax.adamw(lr))
     opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
     scaler = autocast.NoOpScalerState() if scaler is None else scaler
-    grad_fn = autocast.dynamic_scale_value_and_grad(
-        autocast.amp(loss, compute_dtype=compute_dtype, amp_policy=policy)
-    )
+    grad_fn = autocast.dynamic_scale_value_and_grad(autocast.amp(loss, compute_dtype=compute_dtype, amp_policy=policy))
 
     @eqx.filter_jit
     def step(model, opt_state, scaler, key):
