@@ -129,11 +129,11 @@ def half_state(
     Example:
 
     ```python
-    optim = autocast.half_state(optax.adamw(1e-3), key=jax.random.key(1))
-    opt_state = optim.init(params)
+    half_optim = autocast.half_state(optax.adamw(1e-3), key=jax.random.key(1))
+    state = half_optim.init(params)
     grads = jax.grad(loss)(params)
-    params, opt_state = autocast.optimizer_update(params, optim, opt_state, grads, jnp.array(True))
-    assert opt_state.inner[0].nu["w1"].dtype == jnp.bfloat16 and opt_state.inner[0].count.dtype == jnp.int32
+    new_params, state = autocast.optimizer_update(params, half_optim, state, grads, jnp.array(True))
+    assert state.inner[0].nu["w1"].dtype == jnp.bfloat16 and state.inner[0].count.dtype == jnp.int32
     ```
     """
     if not isinstance(inner, optax.GradientTransformation):

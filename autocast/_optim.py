@@ -107,7 +107,8 @@ def _rounded_update(model: Any, params: Any, optimizer: Any, opt_state: Any, gra
     leaves, treedef = jax.tree.flatten(params)
     new = list(leaves)
     half = []
-    for i, (p, u) in enumerate(zip(leaves, treedef.flatten_up_to(updates))):
+    flat_updates = treedef.flatten_up_to(updates)  # type: ignore[attr-defined]  # (missing from jax's stubs)
+    for i, (p, u) in enumerate(zip(leaves, flat_updates)):
         if u is None:
             continue
         if _is_half(p):
