@@ -59,9 +59,11 @@ class _AmpFunction:
         policy: Mapping,
         remat: bool | str,
         weight_grad_dtype: str = "float32",
+        custom_vjp_bwd: str = "amp",
     ):
         self.fn = fn
         self.weight_grad_dtype = weight_grad_dtype
+        self.custom_vjp_bwd = custom_vjp_bwd
         self.compute_dtype = compute_dtype
         self.policy = policy
         self.remat = remat
@@ -117,6 +119,7 @@ class _AmpFunction:
         closed = jax.make_jaxpr(flat_fn)(*dynamic)
         ctx = Context(self.compute_dtype, self.policy, self.remat)
         ctx.float32_cotangents = self.weight_grad_dtype == "float32"
+        ctx.custom_vjp_bwd = self.custom_vjp_bwd
         transformed = _transform(closed, self.compute_dtype, self.policy, scopes, self.remat, ctx)
         return _Traced(transformed, out_info["tree"], out_info["static"], out_info["mask"])
 
@@ -161,6 +164,7 @@ def amp(
     amp_policy: Mapping | None = None,
     remat_float32: bool | Literal["auto"] = "auto",
     weight_grad_dtype: Literal["float32", "compute"] = "float32",
+    custom_vjp_bwd: Literal["amp", "original"] = "amp",
 ) -> Any:
     """Run ``fn`` in mixed precision.
 
@@ -195,6 +199,13 @@ def amp(
       accumulation). ``"float32"`` (default): the half-precision matmul writes a float32
       result. ``"compute"``: the compute dtype, halving the bytes of those reductions at
       the cost of rounding each partial sum (FSDP2's ``reduce_dtype``).
+    - ``custom_vjp_bwd``: how the backward rule of a ``jax.custom_vjp`` inside ``fn`` runs.
+      ``"amp"`` (default, as PyTorch's ``custom_bwd``): under the forward's policy (traced in
+      the dtypes JAX would give it, then re-evaluated with the same rules on the residuals and
+      cotangents as they arrive: its matmuls in ``compute_dtype``, its reductions in float32),
+      so a backward rule that recomputes the forward pass (diffrax's checkpointed loops) is
+      as fast as the forward. ``"original"``: called as written on the residuals and
+      cotangents as they arrive.
 
     **Returns:** a function with ``fn``'s signature. Calls with the same argument
     structure, shapes and dtypes reuse the transformed jaxpr.
@@ -207,6 +218,8 @@ def amp(
     check_remat_float32(remat_float32)
     if weight_grad_dtype not in ("float32", "compute"):
         raise ValueError(f"weight_grad_dtype={weight_grad_dtype!r} is not allowed; use 'float32' or 'compute'.")
+    if custom_vjp_bwd not in ("amp", "original"):
+        raise ValueError(f"custom_vjp_bwd={custom_vjp_bwd!r} is not allowed; use 'amp' or 'original'.")
     dtype = _dtypes.canonical_compute_dtype(compute_dtype)
     policy = default_amp_policy if amp_policy is None else amp_policy
     validate_policy(policy)
@@ -217,9 +230,10 @@ def amp(
             amp_policy=policy,
             remat_float32=remat_float32,
             weight_grad_dtype=weight_grad_dtype,
+            custom_vjp_bwd=custom_vjp_bwd,
         )
     if not callable(fn):
         raise TypeError(
             f"amp(fn={fn!r}): fn must be callable (a function, an Equinox module, ...), got {type(fn).__name__}."
         )
-    return _AmpFunction(fn, dtype, policy, remat_float32, weight_grad_dtype)
+    return _AmpFunction(fn, dtype, policy, remat_float32, weight_grad_dtype, custom_vjp_bwd)

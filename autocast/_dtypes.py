@@ -17,6 +17,7 @@ from . import _compat
 # booleans and PRNG keys are never touched.
 CASTABLE = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
 FLOAT32 = np.dtype(jnp.float32)
+HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 _ALIASES = {
     "float16": jnp.float16,
@@ -129,9 +130,11 @@ def cast_override(x: Any, dtype: Any, make) -> Iterator[None]:
 def cast(x: Any, dtype: Any) -> Any:
     """Cast ``x`` to ``dtype`` if it is castable and not already of that dtype.
 
-    Concrete float32 constants outside the float16 range saturate to its largest finite
-    value rather than becoming infinities (infinities and NaNs stay as they are) (``jnp.finfo(jnp.float32).min`` used as a mask
-    value stays a large negative number, so a fully masked softmax row does not become NaN).
+    A concrete value (a literal, a NumPy or JAX constant) saturates: a finite value beyond
+    the target dtype's range becomes its largest finite value instead of an infinity
+    (infinities and NaNs stay as they are), so ``jnp.finfo(jnp.float32).min`` used as a mask
+    value stays a large negative number in float16 and bfloat16 and a fully masked softmax
+    row does not become NaN. Traced values convert as they are (see :func:`saturating_cast`).
     """
     dtype = np.dtype(dtype)
     src = dtype_of(x)
@@ -149,10 +152,44 @@ def cast(x: Any, dtype: Any) -> Any:
     return _convert(x, dtype)
 
 
+def narrower(dtype: Any, than: Any) -> bool:
+    """Whether ``dtype`` has a smaller range than ``than`` (float16 or bfloat16 below float32)."""
+    return bool(jnp.finfo(dtype).max < jnp.finfo(than).max)
+
+
+def fits(x: Any, dtype: Any) -> bool:
+    """Whether every finite value of the concrete ``x`` is within ``dtype``'s finite range."""
+    a = np.asarray(x, dtype=np.float32)
+    limit = float(jnp.finfo(dtype).max)
+    return bool(np.all(~np.isfinite(a) | (np.abs(a) <= limit)))
+
+
+def is_concrete(x: Any) -> bool:
+    """A value known at trace time: a Python or NumPy number or array, or a JAX array that is
+    not a tracer."""
+    return not _compat.is_tracer(x) and not _compat.is_ref(x)
+
+
+def saturating_cast(x: Any, dtype: Any) -> Any:
+    """``x`` cast to ``dtype``, a finite value beyond its range clamped to its largest
+    finite value (infinities and NaNs kept): the cast of a fill or constant that autocast
+    narrows (``jnp.where(mask, logits, jnp.finfo(jnp.float32).min)``, where the fill reaches
+    the ``where`` through a call). Its derivative is the clamp's."""
+    dtype = np.dtype(dtype)
+    src = dtype_of(x)
+    if is_concrete(x) or src == dtype or not narrower(dtype, src):
+        return cast(x, dtype)
+    limit = np.asarray(jnp.finfo(dtype).max, dtype=src)
+    clamped = lax.clamp(-limit, x, limit)
+    return lax.convert_element_type(lax.select(lax.is_finite(x), clamped, x), dtype)
+
+
 def _convert(x: Any, dtype: np.dtype) -> Any:
-    if dtype == np.dtype(jnp.float16) and isinstance(x, (np.ndarray, np.generic, float)):
-        limit = float(jnp.finfo(jnp.float16).max)
-        x = np.asarray(x)
-        x = np.where(np.isfinite(x), np.clip(x, -limit, limit), x)
+    host = isinstance(x, (np.ndarray, np.generic, float))
+    if (host or is_concrete(x)) and narrower(dtype, dtype_of(x)) and not fits(x, dtype):
+        limit = float(jnp.finfo(dtype).max)
+        a = np.asarray(x, dtype=np.float32)
+        return np.asarray(np.where(np.isfinite(a), np.clip(a, -limit, limit), a), dtype=dtype)
+    if host:
         return np.asarray(x, dtype=dtype)
     return lax.convert_element_type(x, dtype)

@@ -14,7 +14,7 @@ import numpy as np
 from . import _compat, _dtypes, _fp8, _plan, _rules, _walk
 from ._amp import _combine, _is_array, _partition, _transform, check_remat_float32
 from ._interpreter import Context, _rule_name
-from ._policy import default_amp_policy, validate_policy
+from ._policy import AMP_STOP, default_amp_policy, validate_policy
 
 _RULE_NAMES = {rule: name for name, rule in _rules.CATEGORIES.items()}
 
@@ -214,6 +214,19 @@ def _costs(closed: Any) -> tuple[dict[str, int], dict[str, int], int]:
     return flops, inter, casts
 
 
+def _custom_vjps(jaxpr: Any, scopes: tuple[str, ...]) -> int:
+    """How many ``custom_vjp`` equations ``jaxpr`` holds at any depth, outside ``amp_stop``."""
+    open_, _ = _compat.open_and_consts(jaxpr)
+    n = 0
+    for eqn in open_.eqns:
+        here = scopes + _compat.scope_names(eqn.source_info.name_stack)
+        if AMP_STOP in here:
+            continue
+        n += _walk.kind(eqn) == "custom_vjp"
+        n += sum(_custom_vjps(sub, here) for sub in _walk.bodies(eqn))
+    return n
+
+
 def _saved(fun: Callable, args: list[Any]) -> dict[str, int] | None:
     """Bytes of the residuals ``jax.vjp`` saves, by dtype, as
     ``jax.ad_checkpoint.print_saved_residuals`` lists them: only computed values, not the
@@ -348,6 +361,14 @@ class Explanation:
                 lines.append(f"  {m.primitive} {' x '.join(map(str, m.shape))} {m.dtype} at {m.source} ({m.reason})")
         else:
             lines.append(f"matmuls not in {self.compute_dtype}: none")
+        vjp = t.get("custom_vjp_bwd", {})
+        if vjp.get("count"):
+            how = (
+                f"under this policy (custom_vjp_bwd='amp': matmuls in {self.compute_dtype}, reductions in float32)"
+                if vjp["mode"] == "amp"
+                else "as written, on residuals and cotangents as they arrive (custom_vjp_bwd='original')"
+            )
+            lines.append(f"custom_vjp backward rules: {vjp['count']}, run {how}")
         if self.float8_matmuls:
             saved = sum(m.bytes_saved for m in self.float8_matmuls)
             lines.append(
@@ -458,6 +479,7 @@ def explain(
     compute_dtype: Any = jnp.float16,
     amp_policy: Mapping | None = None,
     remat_float32: bool | Literal["auto"] = "auto",
+    custom_vjp_bwd: Literal["amp", "original"] = "amp",
 ) -> Callable[..., Explanation]:
     """Show what :func:`autocast.amp` does to ``fn``: which rule each operation gets and
     why, the dtypes it runs in, and what that costs, without running anything (trace only).
@@ -469,7 +491,8 @@ def explain(
     (count, operand dtypes before → after the rule, result dtype, rule, why), read
     ``.totals`` (matmul FLOPs, intermediate bytes and bytes saved for the backward pass, by
     dtype, beside the float32 original's, the latter None where JAX cannot differentiate
-    ``fn``; casts inserted; float32 islands) and
+    ``fn``; casts inserted; float32 islands; ``custom_vjp_bwd``: how many ``custom_vjp``
+    backward rules the program holds and how they run) and
     ``.float32_matmuls`` (each matmul/convolution not in the compute dtype, with its
     source line), or export ``.to_dict()`` / ``.to_markdown()``.
 
@@ -484,12 +507,15 @@ def explain(
     policy = default_amp_policy if amp_policy is None else amp_policy
     validate_policy(policy)
     check_remat_float32(remat_float32)
+    if custom_vjp_bwd not in ("amp", "original"):
+        raise ValueError(f"custom_vjp_bwd={custom_vjp_bwd!r} is not allowed; use 'amp' or 'original'.")
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Explanation:
         flat_fn, dynamic = _flat(fn, args, kwargs)
         closed = jax.make_jaxpr(flat_fn)(*dynamic)
         ctx = _ExplainContext(dtype, policy, remat_float32)
+        ctx.custom_vjp_bwd = custom_vjp_bwd
         observer = _Observer(ctx)
         ctx.observer = observer
         scopes = _compat.scope_names(_compat.current_name_stack())
@@ -508,6 +534,10 @@ def explain(
             "casts_inserted": max(0, casts_amp - casts_32),
             "float32_islands": len(islands),
             "islands_recomputed": sum(islands.values()),
+            "custom_vjp_bwd": {
+                "count": _custom_vjps(closed, scopes),
+                "mode": custom_vjp_bwd,
+            },
         }
         return Explanation(dtype.name, observer.records, totals)
 

@@ -31,7 +31,6 @@ trip through float32 at each boundary would cost memory and converts:
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _dtypes, _plan
+from . import _compat, _dtypes, _plan, _registry
 from ._interpreter import LITERAL, Context, eval_jaxpr, original_dtypes, transform_jaxpr
 from ._registry import Handler, jaxpr_params, register_fallback, register_higher_order
 
@@ -91,7 +90,7 @@ def _call_like(param: str) -> Handler:
         params = dict(eqn.params)
         in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
         new, extra, out_free = transform_jaxpr(
-            ctx, params[param], in_dtypes, in_free, scopes, out_float32=out32, out_narrow=ctx.out_narrow
+            ctx, params[param], in_dtypes, in_free, scopes, out_float32=out32, out_narrow=ctx.out_narrow, closed=True
         )
         params[param] = new
         outs = _compat.bind(eqn.primitive, [*extra, *invals], params)
@@ -189,30 +188,39 @@ def _zero_tangent(aval: Any) -> Any:
     return np.zeros(aval.shape, jax.dtypes.float0)
 
 
-_probing: contextvars.ContextVar[bool] = contextvars.ContextVar("autocast_probing_rule", default=False)
+def call_computes_in_float32(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> bool:
+    """Whether a custom JVP call computes in float32 (softplus: ``logaddexp(x, 0)``), judged
+    from its body: the jaxpr JAX traced for the primal function, through nested calls. Its
+    call is then recomputed in the backward pass from the half-precision primals instead of
+    saving the float32 intermediates of its rule, as any other float32 island (the planner
+    makes it part of one; memoised per equation).
 
-
-def rule_computes_in_float32(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> bool:
-    """Whether the JVP rule of a custom JVP computes in float32 (softplus: ``exp(x -
-    softplus(x))``): its call is then recomputed in the backward pass from the
-    half-precision primals instead of saving the rule's float32 intermediates, as any other
-    float32 island (the planner makes it part of one; memoised per equation)."""
-    if not ctx.remat or _probing.get():
-        return False  # a rule that calls its own function (softmax's) is not probed again
+    The JVP rule itself is never traced to decide this: it is user code that JAX runs only
+    when the call is differentiated, and it may refuse to be (``eqx.nondifferentiable``
+    raises when traced). A rule that computes in float32 behind a body that does not keeps
+    its float32 residuals (more memory, same values)."""
+    if not ctx.remat:
+        return False
 
     def build():
         parts = _compat.custom_jvp_parts(eqn)
-        if parts is None:
-            return False
-        jaxpr, _, _ = parts.rule([False] * (len(eqn.invars) - parts.n_consts))
-        rule_out32 = [*out32, *[False] * (len(jaxpr.outvars) - len(out32))]
-        token = _probing.set(True)
-        try:
-            return any(_plan.plan(ctx, jaxpr, scopes, rule_out32)[1])
-        finally:
-            _probing.reset(token)
+        return parts is not None and _body_computes_in_float32(ctx, parts.body, scopes, out32)
 
-    return ctx.cached(("rule32", scopes, tuple(map(bool, out32))), eqn, build)
+    return ctx.cached(("call32", scopes, tuple(map(bool, out32))), eqn, build)
+
+
+def _body_computes_in_float32(ctx: Context, jaxpr_like: Any, scopes: tuple, out32: Sequence[bool]) -> bool:
+    open_, _ = _compat.open_and_consts(jaxpr_like)
+    out32 = [*out32, *[False] * (len(open_.outvars) - len(out32))][: len(open_.outvars)]
+    if any(_plan.plan(ctx, open_, scopes, out32).island):
+        return True
+    for eqn in open_.eqns:  # a jit or checkpoint inside the body (an island is local to its body)
+        body = _registry.narrow_body(eqn)
+        if body is not None and eqn.primitive is not _compat.custom_jvp_call_p:
+            inner = scopes + _compat.scope_names(eqn.source_info.name_stack)
+            if _body_computes_in_float32(ctx, body, inner, [False] * len(eqn.outvars)):
+                return True
+    return False
 
 
 def custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
@@ -247,23 +255,29 @@ def custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tupl
 
     call = jax.custom_jvp(body)
     call.defjvp(rule, symbolic_zeros=parts.symbolic_zeros)
-    if not ctx.recomputed and rule_computes_in_float32(ctx, eqn, scopes, out32):
+    if not ctx.recomputed and call_computes_in_float32(ctx, eqn, scopes, out32):
         # not in a recomputed island: a checkpoint of its own
         return list(_compat.checkpoint(lambda *args: list(call(*args)))(*invals)), out_free
     return list(call(*invals)), out_free
 
 
-register_higher_order(_compat.custom_jvp_call_p, body="call_jaxpr", float32_call=rule_computes_in_float32)(custom_jvp)
+register_higher_order(_compat.custom_jvp_call_p, body="call_jaxpr", float32_call=call_computes_in_float32)(custom_jvp)
 
 
 def custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     """A custom VJP (``custom_vjp_call`` or ``CustomVJPTraced``) rebuilt with
     ``jax.custom_vjp``: the body and the forward rule (the jaxpr JAX traces for the user's
     ``fwd``) run with the same policy in the arriving dtypes, so residuals may be half
-    precision. The user's ``bwd`` is called with the residuals and cotangents as they
-    arrive; if it raises, it is called again with them cast to the traced dtypes. Its
-    cotangents are cast to the dtypes the operands arrived in, so a rule's own arithmetic
-    (a clip, a straight-through estimator, a scale) applies exactly as written."""
+    precision.
+
+    The user's ``bwd`` runs under the forward's policy too (``ctx.custom_vjp_bwd == "amp"``,
+    the default; PyTorch's ``custom_bwd``): it is traced as JAX would call it (residuals and
+    cotangents in their traced dtypes) and that jaxpr is evaluated with the same rules on the
+    residuals and cotangents as they arrive, so a backward pass that recomputes the forward
+    (``jax.vjp`` inside ``bwd``: diffrax's checkpointed loop) has half-precision matmuls and
+    float32 reductions. With ``"original"`` the ``bwd`` is called as written on the
+    residuals and cotangents as they arrive (if it raises, again on them cast to the traced
+    dtypes). Either way its cotangents are cast to the dtypes the operands arrived in."""
     parts = _compat.custom_vjp_parts(eqn)
     if parts is None:
         return hi_original(ctx, eqn, invals, in_free, scopes)
@@ -301,16 +315,71 @@ def custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tupl
         cts = list(cts)
         if not symbolic:  # the user's rule expects dense cotangents
             cts = [_zero_tangent(a) if _compat.is_zero(c) else c for c, a in zip(cts, out_avals)]
-        try:
-            cts_in = call_bwd(res, cts, [_dtypes.dtype_of(r) for r in res], [a.dtype for a in out_avals])
-        except Exception:  # noqa: BLE001 - a rule that cannot take half precision: adapt its boundary
-            cts_in = call_bwd(res, cts, traced_res, traced_out)
+        if ctx.custom_vjp_bwd == "amp":
+            cts_in = _bwd_under_policy(ctx, parts.bwd, res, cts, traced_res, traced_out, in_dtypes[n:], scopes)
+        else:
+            try:
+                cts_in = call_bwd(res, cts, [_dtypes.dtype_of(r) for r in res], [a.dtype for a in out_avals])
+            except Exception:  # noqa: BLE001 - a rule that cannot take half precision: adapt its boundary
+                cts_in = call_bwd(res, cts, traced_res, traced_out)
         out = [None if _compat.is_zero(c) or c is None else _cast_castable(c, d) for c, d in zip(cts_in, in_dtypes[n:])]
         return (*[None] * n, *out)
 
     call = jax.custom_vjp(body)
     call.defvjp(fwd, bwd_rule, symbolic_zeros=True)
     return list(call(*invals)), out_free
+
+
+def _traced_aval(x: Any, dtype: Any) -> Any:
+    """The abstract value of ``x`` with the dtype it was traced with (float dtypes only)."""
+    aval = _compat.typeof(x)
+    if _dtypes.is_castable(dtype) and _dtypes.is_castable(aval.dtype):
+        return _compat.aval_with_dtype(aval, dtype)
+    return aval
+
+
+def _bwd_under_policy(
+    ctx: Context,
+    bwd: Any,
+    res: Sequence[Any],
+    cts: Sequence[Any],
+    res_dtypes: Sequence[Any],
+    ct_dtypes: Sequence[Any],
+    in_dtypes: Sequence[Any],
+    scopes: tuple,
+) -> list[Any]:
+    """A custom VJP's ``bwd`` evaluated under the policy: traced on residuals and
+    cotangents of the traced dtypes (symbolic zeros passed as they are), then re-evaluated
+    with the casting rules on the values as they arrive. Returns its cotangents (None where
+    it returns None or a symbolic zero)."""
+    zeros = [_compat.is_zero(c) for c in cts]
+    # traced values become the jaxpr's inputs; concrete ones (flags, counts, constants a
+    # forward rule returns) are handed to ``bwd`` as they are, as JAX would
+    values = [*res, *(c for c, z in zip(cts, zeros) if not z)]
+    dtypes = [*res_dtypes, *(d for d, z in zip(ct_dtypes, zeros) if not z)]
+    dynamic = [_compat.is_tracer(x) for x in values]
+    avals = [_traced_aval(x, d) for x, d, t in zip(values, dtypes, dynamic) if t]
+    kept: list[bool] = []
+
+    def traced(*args):
+        it = iter(args)
+        vals = [next(it) if t else _cast_castable(x, d) for x, d, t in zip(values, dtypes, dynamic)]
+        r, rest = vals[: len(res)], iter(vals[len(res) :])
+        out = bwd(r, [c if z else next(rest) for c, z in zip(cts, zeros)])
+        kept[:] = [not (c is None or _compat.is_zero(c)) for c in out]
+        return [c for c in out if not (c is None or _compat.is_zero(c))]
+
+    jaxpr, consts = _compat.trace_to_jaxpr(traced, avals)
+    out32 = [
+        _dtypes.is_castable(d) and np.dtype(d) == _dtypes.FLOAT32
+        for d, k in zip(in_dtypes, kept)
+        if k
+    ]
+    args = [x for x, t in zip(values, dynamic) if t]
+    bctx = ctx.inside_recomputed_island()  # nothing in a backward pass is saved for another
+    outs, _ = eval_jaxpr(bctx, jaxpr, consts, args, [False] * len(args), scopes, out32)
+    it = iter(outs)
+    return [next(it) if k else None for k in kept]
 
 
 register_higher_order(_compat.custom_vjp_call_p)(custom_vjp)
@@ -386,7 +455,7 @@ def _scan(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, ou
     out_dtypes = [*in_dtypes[n_consts : n_consts + n_carry], *([None] * (len(body_outs) - n_carry))]
     body_out32 = [*(d == _dtypes.FLOAT32 for d in out_dtypes[:n_carry]), *out32[n_carry:]]
     new, _, body_free = transform_jaxpr(
-        ctx, body, in_dtypes, free, scopes, out_dtypes=out_dtypes, out_float32=body_out32
+        ctx, body, in_dtypes, free, scopes, out_dtypes=out_dtypes, out_float32=body_out32, closed=True
     )
     out_free = [False] * n_carry + body_free[n_carry:]
     params["jaxpr"] = new
@@ -410,10 +479,10 @@ def _while(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, o
     no = [False] * len(carry)
     _, cond_outs = _boundary_dtypes(params["cond_jaxpr"])
     params["cond_jaxpr"], _, _ = transform_jaxpr(
-        ctx, params["cond_jaxpr"], [*cond_consts, *carry], [*cfree, *no], scopes, out_dtypes=cond_outs
+        ctx, params["cond_jaxpr"], [*cond_consts, *carry], [*cfree, *no], scopes, out_dtypes=cond_outs, closed=True
     )
     params["body_jaxpr"], _, _ = transform_jaxpr(
-        ctx, params["body_jaxpr"], [*body_consts, *carry], [*bfree, *no], scopes, out_dtypes=carry
+        ctx, params["body_jaxpr"], [*body_consts, *carry], [*bfree, *no], scopes, out_dtypes=carry, closed=True
     )
     outs = _compat.bind(eqn.primitive, invals, params)
     return outs, [False] * len(outs)
@@ -425,7 +494,7 @@ def _cond(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, ou
     branches = params["branches"]
     in_dtypes = _current_dtypes(invals[1:], original_dtypes(eqn)[1:])
     free = list(in_free[1:])
-    first = [transform_jaxpr(ctx, b, in_dtypes, free, scopes) for b in branches]
+    first = [transform_jaxpr(ctx, b, in_dtypes, free, scopes, closed=True) for b in branches]
     out_dtypes_per_branch = [[v.aval.dtype for v in new.jaxpr.outvars] for new, _, _ in first]
     _, traced_outs = _boundary_dtypes(branches[0])
     out_dtypes = [
@@ -434,7 +503,7 @@ def _cond(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, ou
     new_branches, frees = [], []
     for b, (new, _, branch_free), dts in zip(branches, first, out_dtypes_per_branch):
         if list(map(str, dts)) != list(map(str, out_dtypes)):  # re-trace only disagreeing branches
-            new, _, branch_free = transform_jaxpr(ctx, b, in_dtypes, free, scopes, out_dtypes=out_dtypes)
+            new, _, branch_free = transform_jaxpr(ctx, b, in_dtypes, free, scopes, out_dtypes=out_dtypes, closed=True)
         new_branches.append(new)
         frees.append(branch_free)
     params["branches"] = tuple(new_branches)

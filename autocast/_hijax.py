@@ -30,14 +30,14 @@ from ._higher_order import (
     custom_jvp,
     custom_vjp,
     hi_original,
-    rule_computes_in_float32,
+    call_computes_in_float32,
 )
 from ._interpreter import Context, original_dtypes, transform_jaxpr
 from ._registry import register_higher_order
 
 
 def _float32_call(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> bool:
-    return _compat.hi_name(eqn) == "CustomJVPTraced" and rule_computes_in_float32(ctx, eqn, scopes, out32)
+    return _compat.hi_name(eqn) == "CustomJVPTraced" and call_computes_in_float32(ctx, eqn, scopes, out32)
 
 
 def _checkpoint_name(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):

@@ -128,6 +128,10 @@ class Context:
         # (after it; ``arrived``/``bound``: operands before/after the rule; ``island``: None, or
         # ``(marker, recomputed)`` shared by the equations of one float32 island).
         self.observer: Any = None
+        # How a custom VJP's ``bwd`` runs: "amp" (traced in the traced dtypes, re-evaluated
+        # under this policy, as the forward) or "original" (called as written on the values as
+        # they arrive); see ``autocast._higher_order.custom_vjp``.
+        self.custom_vjp_bwd = "amp"
         # For the handler of a call (``jit``, ``checkpoint``) only: which of its outputs every
         # consumer reads in the compute dtype (see ``_plan.plan``); its body narrows them.
         self.out_narrow: Sequence[bool] | None = None
@@ -612,6 +616,7 @@ def transform_jaxpr(
     out_dtypes: Sequence[Any | None] | None = None,
     out_float32: Sequence[bool] | None = None,
     out_narrow: Sequence[bool] | None = None,
+    closed: bool = False,
 ) -> tuple[Any, list[Any], list[bool]]:
     """Transform a (closed or open) jaxpr for operands of ``in_dtypes``.
 
@@ -621,7 +626,10 @@ def transform_jaxpr(
     dtype (a float32 result is then rounded where it is made). Returns ``(new, extra_consts, out_free)``: a closed jaxpr comes back
     closed with ``extra_consts == []``; an open one comes back open, with any constants it
     needs turned into leading invars and returned as ``extra_consts`` (to be passed as
-    leading operands). ``out_free`` tells which outputs are free values.
+    leading operands). ``out_free`` tells which outputs are free values. ``closed``: the
+    jaxpr is a closed one by its primitive's contract (``jit``, ``scan``, ``while``,
+    ``cond``), so its new constants stay attached to it (JAX >= 0.11 has one class for both,
+    and binding such a primitive on extra operands would not match its other parameters).
     """
     if out_float32 is None and out_dtypes is not None:
         out_float32 = [d is not None and d == _dtypes.FLOAT32 for d in out_dtypes]
@@ -632,6 +640,7 @@ def transform_jaxpr(
         None if out_dtypes is None else tuple(map(str, out_dtypes)),
         None if out_float32 is None else tuple(map(bool, out_float32)),
         None if out_narrow is None else tuple(map(bool, out_narrow)),
+        closed,
     )
 
     def build():
@@ -647,7 +656,7 @@ def transform_jaxpr(
             return outs
 
         new_open, new_consts = _compat.trace_to_jaxpr(fun, in_avals)
-        if _compat.is_closed(jaxpr_like):
+        if closed or _compat.is_closed(jaxpr_like):
             return (_compat.close_jaxpr(new_open, new_consts), []), list(out_free)
         if new_consts:
             return (_compat.constvars_to_invars(new_open), list(new_consts)), list(out_free)
@@ -674,13 +683,20 @@ def _rule_name(rule: Any) -> str:
 def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: list[bool], widen: bool = False):
     prim = eqn.primitive
     orig = original_dtypes(eqn)
+    if rule is _rules.use_input_precision and _overflowing_constant(prim, invals, in_free):
+        rule = _rules.use_float32_precision
     token = _rules._free_mask.set(in_free)
     try:
         with contextlib.ExitStack() as stack:
+            fills = _traced_fills(invals, in_free)
             for i, dtype in _float32_broadcasts_ahead(eqn, prim, invals):
-                stack.enter_context(
-                    _dtypes.cast_override(invals[i], dtype, functools.partial(_broadcast_cast, invals[i], eqn, dtype))
-                )
+                if i not in fills:
+                    make = functools.partial(_broadcast_cast, invals[i], eqn, dtype)
+                    stack.enter_context(_dtypes.cast_override(invals[i], dtype, make))
+            for i in fills:
+                for half in _dtypes.HALF:
+                    make = functools.partial(_dtypes.saturating_cast, invals[i], half)
+                    stack.enter_context(_dtypes.cast_override(invals[i], half, make))
             result = rule(ctx.compute_dtype, orig, *invals, **dict(eqn.params))
     finally:
         _rules._free_mask.reset(token)
@@ -712,6 +728,43 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
     if (prim.name in _STRUCTURAL or prim.name in _SUMS) and all(floats):
         out_free = LITERAL if floats and all(f == LITERAL for f in floats) else True
     return outs, [out_free] * len(outs), new_invals
+
+
+# Operations that only select, order or move their operands' values: a constant beyond
+# the half-precision range saturates to its largest finite value and keeps its meaning (a
+# mask's fill stays the most negative value). Others run in float32 with it.
+_SELECTING = _plan.COMMUTES_WITH_ROUNDING | {"clamp", "select_n", "max", "min", "pmax", "pmin", "sort"}
+
+
+def _overflowing_constant(prim: Any, invals: Sequence[Any], in_free: Sequence[Any]) -> bool:
+    """Whether a harmonised operation (``x16 * 1e5``) would narrow a concrete constant that
+    does not fit the half-precision dtype its computed operands arrive in: it then runs in
+    float32, as traced, instead of turning the constant into an infinity."""
+    if prim.name in _SELECTING:
+        return False
+    halves = {
+        _dtypes.dtype_of(x)
+        for x, f in zip(invals, in_free)
+        if not f and _dtypes.is_castable(_dtype_or_none(x)) and _dtypes.dtype_of(x) != _dtypes.FLOAT32
+    }
+    return any(
+        f
+        and _dtypes.is_concrete(x)
+        and _dtype_or_none(x) == _dtypes.FLOAT32
+        and any(not _dtypes.fits(x, h) for h in halves)
+        for x, f in zip(invals, in_free)
+    )
+
+
+def _traced_fills(invals: Sequence[Any], in_free: Sequence[Any]) -> list[int]:
+    """Float32 operands made only from literals that reach the equation traced (a fill passed
+    into a ``jit``, as ``jnp.where`` does): their value is not known here, so a rule's cast of
+    one to half precision saturates (:func:`autocast._dtypes.saturating_cast`)."""
+    return [
+        i
+        for i, (x, f) in enumerate(zip(invals, in_free))
+        if f == LITERAL and _compat.is_tracer(x) and _dtype_or_none(x) == _dtypes.FLOAT32
+    ]
 
 
 def _broadcast_candidates(eqn: Any, prim: Any, invals: Sequence[Any]) -> list[int]:

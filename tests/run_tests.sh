@@ -15,7 +15,7 @@ OLDEST_JAX="0.9.2"  # keep in step with pyproject.toml's jax lower bound
 envs="${AUTOCAST_ENVS:-newest oldest nextjax}"
 NEXTJAX_FLAGS="JAX_REMAT3=1 JAX_CUSTOM_JVP3=1 JAX_CUSTOM_VJP3=1 JAX_SOFTMAX_CUSTOM_JVP=1"
 # the whole suite twice more does not fit CI's 30 minutes on 2 cores: these files only
-NEXTJAX_FILES="tests/test_higher_order.py tests/test_custom_derivatives.py tests/test_islands.py
+NEXTJAX_FILES="tests/test_idioms.py tests/test_higher_order.py tests/test_custom_derivatives.py tests/test_islands.py
   tests/test_cross_boundary.py tests/test_residual_census.py tests/test_models_equinox.py
   tests/test_models_flax.py tests/test_explain.py tests/test_find_overflow.py tests/test_walk_hijax.py
   tests/test_fp8.py"

@@ -219,8 +219,13 @@ def _clip_bwd(res, g):
 clip_gradient.defvjp(_clip_fwd, _clip_bwd)
 
 
+@pytest.mark.parametrize("mode", ["amp", "original"])
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
-def test_custom_vjp_residuals_and_bwd_in_the_arriving_dtype(dtype, capsys):
+def test_custom_vjp_residuals_and_bwd_in_the_arriving_dtype(dtype, mode, capsys):
+    """The forward rule runs in the arriving dtype (half residuals). The backward rule is
+    traced as JAX would trace it (float32 values) and evaluated under the policy on the half
+    residuals and cotangents (``custom_vjp_bwd="amp"``), or called on them as they arrive
+    (``"original"``); either way the clip applies as written."""
     w, x = _wx(5)
 
     def f(w, x):
@@ -230,10 +235,11 @@ def test_custom_vjp_residuals_and_bwd_in_the_arriving_dtype(dtype, capsys):
     ref = jax.grad(f)(w, x)
     assert tree_max_rel_err(true, ref) > 0.3
     _bwd_seen.clear()
-    assert _grad_err(f, w, x, dtype, ref) < TOL[dtype]
-    name = jnp.dtype(dtype).name
+    amp_f = autocast.amp(f, compute_dtype=dtype, custom_vjp_bwd=mode)
+    assert tree_max_rel_err(jax.grad(amp_f)(w, x), ref) < TOL[dtype]
+    name = jnp.dtype(dtype).name if mode == "original" else "float32"
     assert _bwd_seen and set(_bwd_seen) == {(name, name)}, _bwd_seen
-    saved = _saved(autocast.amp(f, compute_dtype=dtype), capsys, w, x)
+    saved = _saved(amp_f, capsys, w, x)
     assert not [s for s in saved if s.startswith("f32") and s.endswith(f"[{x.shape[0]},{w.shape[1]}]")], saved
 
 

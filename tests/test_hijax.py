@@ -154,7 +154,9 @@ def test_values_and_gradients_match_the_run_without_flags(flags):
 
 def test_custom_rules_receive_values_as_they_arrive(flags):
     """The rebuilt custom_jvp / custom_vjp take half operands (their body and rules run on
-    them, as traced jaxprs); the user's ``bwd`` is called on half residuals and cotangents."""
+    them, as traced jaxprs); the user's ``bwd`` is called on half residuals and cotangents
+    with ``custom_vjp_bwd="original"``, and traced in float32 then evaluated on them under
+    the policy by default (its ``g * 3.0`` then runs in half precision)."""
     seen: list[str] = []
 
     @jax.custom_jvp
@@ -189,8 +191,14 @@ def test_custom_rules_receive_values_as_they_arrive(flags):
     ]
     assert len(custom) >= 4 and set(custom) == {"float16"}, custom  # two matmuls' own, act, scale_grad
     g = jax.grad(amp_f)(w, x)
-    assert seen and set(seen) == {"float16"}, seen
+    assert seen and set(seen) == {"float32"}, seen  # traced as JAX would
+    muls = [e for e, _ in _eqns(jax.make_jaxpr(jax.grad(amp_f))(w, x)) if e.primitive.name == "mul"]
+    assert any(str(e.outvars[0].aval.dtype) == "float16" for e in muls), muls  # ... evaluated in half
     g32 = jax.grad(f)(w, x)
+    assert tree_max_rel_err(g, g32) < TOL
+    seen.clear()
+    g = jax.grad(autocast.amp(f, compute_dtype=jnp.float16, custom_vjp_bwd="original"))(w, x)
+    assert seen and set(seen) == {"float16"}, seen
     assert tree_max_rel_err(g, g32) < TOL
     ref = jax.grad(lambda w, x: jnp.sum(jax.nn.relu(x @ w) @ w))(w, x)
     assert tree_max_rel_err(g32, ref) > 0.1  # the rules change the gradient
