@@ -8,9 +8,17 @@ holds drop-in versions of the jmp, MPX and jaxamp APIs.
 
 from . import _higher_order, _hijax  # noqa: F401  (register the higher-order handlers)
 from ._amp import amp as amp
+from ._checkpoint import restore_train_state as restore_train_state
+from ._checkpoint import save_train_state as save_train_state
 from ._explain import Explanation as Explanation
 from ._explain import explain as explain
 from ._fp8 import use_float8 as use_float8
+from ._half_optim import HalfOptState as HalfOptState
+from ._half_optim import half_state as half_state
+from ._half_optim import to_float32_opt_state as to_float32_opt_state
+from ._half_optim import to_float32_params as to_float32_params
+from ._half_optim import to_half_opt_state as to_half_opt_state
+from ._half_optim import to_half_params as to_half_params
 from ._loss_scale import DynamicScalerState as DynamicScalerState
 from ._loss_scale import NoOpScalerState as NoOpScalerState
 from ._loss_scale import StaticScalerState as StaticScalerState
@@ -35,6 +43,7 @@ from ._rules import use_widest_precision as use_widest_precision
 from ._scaled_grad import dynamic_scale_grad as dynamic_scale_grad
 from ._scaled_grad import dynamic_scale_value_and_grad as dynamic_scale_value_and_grad
 from ._scope import amp_stop as amp_stop
+from ._stochastic import stochastic_round as stochastic_round
 
 __version__ = "0.1.0"
 
@@ -43,6 +52,7 @@ __all__ = [
     "DynamicScalerState",
     "Explanation",
     "Finding",
+    "HalfOptState",
     "NoOpScalerState",
     "StaticScalerState",
     "all_finite",
@@ -54,10 +64,18 @@ __all__ = [
     "explain",
     "extend_policy",
     "find_overflow",
+    "half_state",
     "load_policy",
     "optimizer_update",
     "register_rule",
+    "restore_train_state",
+    "save_train_state",
     "select_tree",
+    "stochastic_round",
+    "to_float32_opt_state",
+    "to_float32_params",
+    "to_half_opt_state",
+    "to_half_params",
     "unregister_rule",
     "use_as_is",
     "use_compute_precision",

@@ -20,6 +20,10 @@ Recipes (each one is exercised in `tests/test_optim.py`):
   micro-batch is dropped entirely (the accumulator and its step counter are left
   unchanged), so the effective batch still averages k finite micro-batches.
   `should_skip_update_fn=optax.skip_not_finite` has the same effect on its own.
+- **bfloat16 parameters** (`to_half_params`): pass `key=` (a fresh key every step). The
+  update is computed in float32 and rounded back stochastically, leaf by leaf with
+  independent random bits, so updates below bfloat16's spacing are not lost on average.
+  Without a key the sum is rounded to nearest (what `optax.apply_updates` does).
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import optax
 
 from ._loss_scale import _as_flag, select_tree
+from ._stochastic import _check_key, _round_leaves
 
 __all__ = ["optimizer_update"]
 
@@ -41,6 +47,8 @@ def optimizer_update(
     opt_state: Any,
     grads: Any,
     grads_finite: Any,
+    *,
+    key: Any = None,
 ) -> tuple[Any, Any]:
     """Apply one optax update if `grads_finite`, else return the inputs unchanged.
 
@@ -54,6 +62,13 @@ def optimizer_update(
     - `grads`: gradients with the structure of `eqx.filter(model,
       eqx.is_inexact_array)` (what `dynamic_scale_grad` returns with `filter=True`).
     - `grads_finite`: a scalar bool, usually `scaler_state.grads_finite`.
+    - `key`: a PRNG key, a fresh one every step (e.g. `jax.random.fold_in(key, step)`),
+      for parameters stored in bfloat16/float16 (`to_half_params`): the optimizer then
+      sees float32 parameters and gradients, and the new parameters are rounded back to
+      their dtype stochastically (as `stochastic_round` does).
+      float32 leaves are updated exactly as without a key. Without a key, half
+      parameters get `optax.apply_updates`' round-to-nearest, which loses updates below
+      half their spacing.
 
     **Returns:** `(model, opt_state)`, updated if `grads_finite`, otherwise the inputs
     bit for bit.
@@ -69,12 +84,42 @@ def optimizer_update(
     finite = _as_flag(grads_finite, "optimizer_update: `grads_finite`")
     params = eqx.filter(model, eqx.is_inexact_array)
     _check_same_structure(grads, params)
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_model = eqx.apply_updates(model, updates)
+    if key is None:
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_model = eqx.apply_updates(model, updates)
+    else:
+        key = _check_key(key, "optimizer_update")
+        new_model, new_opt_state = _rounded_update(model, params, optimizer, opt_state, grads, key)
     return (
         select_tree(finite, new_model, model),
         select_tree(finite, new_opt_state, opt_state),
     )
+
+
+def _is_half(x: Any) -> bool:
+    return eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits == 16
+
+
+def _rounded_update(model: Any, params: Any, optimizer: Any, opt_state: Any, grads: Any, key: jax.Array) -> Any:
+    """The update in float32, half parameters rounded back stochastically (one seed per leaf)."""
+    wide = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32) if _is_half(x) else x, tree)
+    updates, new_opt_state = optimizer.update(wide(grads), opt_state, wide(params))
+    leaves, treedef = jax.tree.flatten(params)
+    new = list(leaves)
+    half = []
+    flat_updates = treedef.flatten_up_to(updates)  # type: ignore[attr-defined]  # (missing from jax's stubs)
+    for i, (p, u) in enumerate(zip(leaves, flat_updates)):
+        if u is None:
+            continue
+        if _is_half(p):
+            half.append(i)
+            new[i] = p.astype(jnp.float32) + u.astype(jnp.float32)
+        else:  # as optax.apply_updates
+            new[i] = jnp.asarray(p + u).astype(p.dtype)
+    rounded = _round_leaves([new[i] for i in half], [leaves[i].dtype for i in half], key)
+    for i, r in zip(half, rounded):
+        new[i] = r
+    return eqx.combine(jax.tree.unflatten(treedef, new), model), new_opt_state
 
 
 def _check_same_structure(grads: Any, params: Any) -> None:

@@ -8,7 +8,11 @@ split, the initialisation and the batch order, and the runs share all three:
 - ``amp-f16``: ``autocast.amp(loss, compute_dtype=float16)`` with the dynamic loss scaler;
 - ``amp-bf16``: ``autocast.amp(loss, compute_dtype=bfloat16)`` (no loss scaling needed);
 - ``amp-fp8``: as ``amp-bf16`` with ``amp_policy=autocast.load_policy("fp8")``: the weight
-  matmuls run as scaled float8 products (see docs/fp8.md).
+  matmuls run as scaled float8 products (see docs/fp8.md);
+- ``amp-bf16-sr``: as ``amp-bf16`` with the parameters and AdamW's moments stored in
+  bfloat16 (``autocast.to_half_params``, ``autocast.half_state``), updated in float32 and
+  rounded back stochastically (``optimizer_update(..., key=)``; see docs/memory.md). Not in
+  the default runs: ``--runs amp-bf16 amp-bf16-sr``.
 
 Each run type compiles its train step once and reuses it for every seed. The demo prints
 the test accuracy of every run and seed, its mean, min and max over the seeds, the mean of
@@ -25,6 +29,7 @@ the repo root::
     python -m benchmarks.demo                 # or: python benchmarks/demo.py
     python -m benchmarks.demo --seeds 0 1 2   # the three-seed accuracy check
     python -m benchmarks.demo --runs amp-bf16 amp-fp8 --out demo_fp8
+    python -m benchmarks.demo --runs amp-bf16 amp-bf16-sr --out demo_sr
     python -m benchmarks.demo --steps 300     # shorter runs
 """
 
@@ -67,15 +72,34 @@ RUNS = {
     "amp-f16": jnp.float16,
     "amp-bf16": jnp.bfloat16,
     "amp-fp8": jnp.bfloat16,
+    "amp-bf16-sr": jnp.bfloat16,
 }
+
+#: The runs of ``python -m benchmarks.demo`` without ``--runs``.
+DEFAULT_RUNS = ("fp32", "amp-f16", "amp-bf16", "amp-fp8")
+
+#: Runs whose parameters and optimizer state are stored in bfloat16 with stochastic rounding.
+HALF_PARAMS = {"amp-bf16-sr"}
+
+#: Runs judged against amp-bf16 (same seed), and their target: |mean difference| in points.
+VS_BF16 = {"amp-fp8": 1.0, "amp-bf16-sr": 0.3}
 
 #: The policy of each amp run not on the default one (``None``: ``autocast.default_amp_policy``).
 POLICIES = {"amp-fp8": "fp8"}
 
 
-def _amp(dtype, policy):
+def _float32_loss(model, x, y):
+    """``loss_fn`` on a model stored in bfloat16: written for float32, as amp expects (the
+    convolution needs operands of one dtype). amp casts the weights back to bfloat16 for the
+    matmuls, and XLA drops the bfloat16 -> float32 -> bfloat16 round trip."""
+    return loss_fn(autocast.to_float32_params(model), x, y)
+
+
+def _amp(dtype, policy, half=False):
     return autocast.amp(
-        loss_fn, compute_dtype=dtype, amp_policy=None if policy is None else autocast.load_policy(policy)
+        _float32_loss if half else loss_fn,
+        compute_dtype=dtype,
+        amp_policy=None if policy is None else autocast.load_policy(policy),
     )
 
 
@@ -117,8 +141,12 @@ def _progress(total: int, desc: str):
         return _Bar()
 
 
-def _make_step(static, opt, dtype, policy=None):
-    """A jitted train step ``(params, opt_state, scaler, x, y) -> (..., loss, finite)``."""
+def _make_step(static, opt, dtype, policy=None, half=False):
+    """A jitted train step ``(params, opt_state, scaler, x, y) -> (..., loss, finite)``.
+
+    With ``half``, ``opt`` is a ``half_state`` optimizer and ``opt_state`` the pair
+    ``(its state, a PRNG key)``: the key is split every step for the parameters' rounding.
+    """
     if dtype is None:
 
         def step(params, opt_state, scaler, x, y):
@@ -128,7 +156,21 @@ def _make_step(static, opt, dtype, policy=None):
 
         return jax.jit(step)
 
-    grad_fn = autocast.dynamic_scale_value_and_grad(_amp(dtype, policy), has_aux=True)
+    grad_fn = autocast.dynamic_scale_value_and_grad(_amp(dtype, policy, half), has_aux=True)
+
+    if half:
+
+        def half_step(params, state, scaler, x, y):
+            opt_state, key = state
+            key, step_key = jax.random.split(key)
+            model = eqx.combine(params, static)
+            scaler, ((loss, _), grads) = grad_fn(model, x, y, dynamic_scaler_state=scaler)
+            model, opt_state = autocast.optimizer_update(
+                model, opt, opt_state, grads, scaler.grads_finite, key=step_key
+            )
+            return eqx.filter(model, eqx.is_array), (opt_state, key), scaler, loss, scaler.grads_finite
+
+        return jax.jit(half_step)
 
     def step(params, opt_state, scaler, x, y):
         model = eqx.combine(params, static)
@@ -139,9 +181,9 @@ def _make_step(static, opt, dtype, policy=None):
     return jax.jit(step)
 
 
-def _make_eval(static, dtype, policy=None):
+def _make_eval(static, dtype, policy=None, half=False):
     """Jitted ``(params, x, y) -> (sum of losses, number correct)`` in the run's precision."""
-    f = loss_fn if dtype is None else _amp(dtype, policy)
+    f = loss_fn if dtype is None else _amp(dtype, policy, half)
 
     @jax.jit
     def evaluate(params, x, y):
@@ -166,22 +208,34 @@ def _optimizer(steps: int, lr: float) -> optax.GradientTransformation:
     return optax.adamw(schedule, weight_decay=1e-4)
 
 
-def _setup(dtype, static, params, opt, x, y, policy=None) -> dict[str, Any]:
+def _setup(dtype, static, params, opt, x, y, policy=None, half=False) -> dict[str, Any]:
     """One run type's jitted step and evaluation and its activation bytes, for every seed.
 
     Every seed builds the same model structure (only the arrays differ), so the jitted
-    functions see the same shapes and compile once.
+    functions see the same shapes and compile once. With ``half`` the optimizer is
+    ``autocast.half_state(opt)`` (returned as ``"opt"``) and ``params`` are bfloat16.
     """
-    loss_for_memory = loss_fn if dtype is None else _amp(dtype, policy)
+    if half:
+        opt = autocast.half_state(opt)
+    loss_for_memory = loss_fn if dtype is None else _amp(dtype, policy, half)
     act = C.residual_bytes(
         lambda p, x, y: loss_for_memory(eqx.combine(p, static), x, y)[0], params, jnp.asarray(x), jnp.asarray(y)
     )["activation"]
     return {
         "static": static,
-        "step": _make_step(static, opt, dtype, policy),
-        "evaluate": _make_eval(static, dtype, policy),
+        "step": _make_step(static, opt, dtype, policy, half),
+        "opt": opt,
+        "evaluate": _make_eval(static, dtype, policy, half),
         "activation_bytes": act,
     }
+
+
+def _state_bytes(tree) -> int:
+    """Bytes of the array leaves of the parameters and optimizer state (PRNG keys as their data)."""
+    arrays = [
+        jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x for x in jax.tree.leaves(tree)
+    ]
+    return int(sum(x.nbytes for x in arrays if eqx.is_array(x)))
 
 
 def train(
@@ -203,14 +257,19 @@ def train(
     """
     x_tr, y_tr, x_te, y_te = data
     params, static = eqx.partition(ViT(DIGITS_VIT, key=jax.random.key(seed)), eqx.is_array)
+    half = name in HALF_PARAMS
+    if half:  # the same initialisation, stored in bfloat16
+        params = autocast.to_half_params(params)
     if name not in cache:
-        cache[name] = _setup(dtype, static, params, opt, x_tr[:batch], y_tr[:batch], POLICIES.get(name))
+        cache[name] = _setup(dtype, static, params, opt, x_tr[:batch], y_tr[:batch], POLICIES.get(name), half)
     shared = cache[name]
     if not eqx.tree_equal(static, shared["static"]):
         raise RuntimeError(
             "the model's non-array part differs between seeds; the shared compiled step would run the wrong model"
         )
-    opt_state = opt.init(params)
+    opt_state = shared["opt"].init(params)
+    if half:  # the rounding keys: the optimizer's inside its state, the parameters' beside it
+        opt_state = (eqx.tree_at(lambda s: s.key, opt_state, jax.random.key(2 * seed)), jax.random.key(2 * seed + 1))
     if dtype is None:
         scaler = None
     elif jnp.dtype(dtype) == jnp.float16:
@@ -245,6 +304,8 @@ def train(
         "seed": seed,
         "compute_dtype": "float32" if dtype is None else jnp.dtype(dtype).name,
         "policy": POLICIES.get(name, "default"),
+        "stored": "bfloat16+sr" if half else "float32",
+        "state_bytes": _state_bytes((params, opt_state)),
         "train_loss": train_loss,
         "train_acc": train_acc,
         "test_loss": test_loss,
@@ -268,7 +329,7 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rs = [r for r in results if r["run"] == name]
         accs = [r["test_acc"] for r in rs]
         diffs = [100 * (r["test_acc"] - ref[r["seed"]]) for r in rs] if ref else None
-        d_bf16 = [100 * (r["test_acc"] - bf16[r["seed"]]) for r in rs] if bf16 and name == "amp-fp8" else None
+        d_bf16 = [100 * (r["test_acc"] - bf16[r["seed"]]) for r in rs] if bf16 and name in VS_BF16 else None
         out.append(
             {
                 "run": name,
@@ -288,6 +349,7 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "median_step_s_per_seed": [r["median_step_s"] for r in rs],
                 "median_step_s_mean": statistics.mean(r["median_step_s"] for r in rs),
                 "activation_bytes": rs[0]["activation_bytes"],
+                "state_bytes": rs[0]["state_bytes"],
                 "skipped_steps_per_seed": [r["skipped_steps"] for r in rs],
                 "final_scale_per_seed": [r["final_scale"] for r in rs],
             }
@@ -296,12 +358,14 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def verdict(summary: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Whether the f16 and bf16 runs' mean test accuracy is within one point of fp32's, and
-    the fp8 run's within one point of bf16's (means of the per-seed differences)."""
+    """Whether the f16 and bf16 runs' mean test accuracy is within one point of fp32's, the
+    fp8 run's within one point of bf16's and the bf16-sr run's within 0.3 points of bf16's
+    (means of the per-seed differences)."""
     ref = next((s for s in summary if s["run"] == "fp32"), None)
-    fp8 = next((s for s in summary if s["diff_vs_bf16_points_mean"] is not None), None)
-    # fp32 is the reference of the f16 and bf16 runs; fp8 (bf16 with float8 matmuls) is judged against bf16
-    others = [s for s in summary if s is not ref and s["run"] != "amp-fp8"]
+    vs_bf16 = [s for s in summary if s["diff_vs_bf16_points_mean"] is not None]
+    # fp32 is the reference of the f16 and bf16 runs; fp8 (bf16 with float8 matmuls) and
+    # bf16-sr (bf16 with bfloat16 parameters and moments) are judged against bf16
+    others = [s for s in summary if s is not ref and s["run"] not in VS_BF16]
     out: dict[str, Any] = {}
     texts = []
     n = len(summary[0]["seeds"]) if summary else 0
@@ -318,14 +382,16 @@ def verdict(summary: list[dict[str, Any]]) -> dict[str, Any] | None:
         )
         texts.append(f"mean test accuracy fp32 {100 * ref['test_acc_mean']:.2f} %, {parts} -> {conclusion}")
         out["within_one_point"] = within
-    if fp8 is not None:
-        d = fp8["diff_vs_bf16_points_mean"]
-        ok = abs(d) <= 1.0 + 1e-9
+    for s in vs_bf16:
+        d, target = s["diff_vs_bf16_points_mean"], VS_BF16[s["run"]]
+        ok = abs(d) <= target + 1e-9
+        within = "1 point" if target == 1.0 else f"{target:g} points"
         texts.append(
-            f"amp-fp8 vs amp-bf16: {d:+.2f} points (mean of per-seed differences) -> "
-            + ("within 1 point of bf16: target met" if ok else "not within 1 point of bf16: target missed")
+            f"{s['run']} vs amp-bf16: {d:+.2f} points (mean of per-seed differences) -> "
+            + (f"within {within} of bf16: target met" if ok else f"not within {within} of bf16: target missed")
         )
-        out["fp8_within_one_point_of_bf16"] = ok
+        key = "fp8_within_one_point_of_bf16" if s["run"] == "amp-fp8" else "bf16_sr_within_0.3_points_of_bf16"
+        out[key] = ok
     if not texts:
         return None
     out["text"] = f"Verdict ({n} seed{'s' if n > 1 else ''}): " + "; ".join(texts)
@@ -349,8 +415,8 @@ def table(summary: list[dict[str, Any]]) -> str:
     rows = [
         f"| run | test accuracy, seeds {seeds} | mean | min – max | vs fp32, mean of per-seed "
         "differences (points) | final train loss (mean) | median step time (mean) | "
-        "activation memory | skipped steps per seed | final loss scale per seed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "activation memory | params + optimizer state | skipped steps per seed | final loss scale per seed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         accs = " / ".join(f"{100 * a:.2f}" for a in s["test_acc_per_seed"])
@@ -359,7 +425,7 @@ def table(summary: list[dict[str, Any]]) -> str:
             f"{100 * s['test_acc_min']:.2f} – {100 * s['test_acc_max']:.2f} | "
             f"{_fmt_diff(s['diff_vs_fp32_points_mean']) if s['run'] != 'fp32' else '-'} | "
             f"{s['train_loss_mean']:.4f} | {s['median_step_s_mean'] * 1e3:.2f} ms | "
-            f"{C.fmt_bytes(s['activation_bytes'])} | "
+            f"{C.fmt_bytes(s['activation_bytes'])} | {C.fmt_bytes(s['state_bytes'])} | "
             f"{' / '.join(str(k) for k in s['skipped_steps_per_seed'])} | "
             f"{' / '.join(_fmt_scale(x) for x in s['final_scale_per_seed'])} |"
         )
@@ -456,7 +522,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="finite steps before the f16 loss scale grows (autocast's default "
         "is 2000; shorter here so the plot shows the scaler at work)",
     )
-    ap.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    ap.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(DEFAULT_RUNS))
     ap.add_argument("--out", default="demo", help="file stem in benchmarks/results/")
     args = ap.parse_args(argv)
     args.seeds = [args.seed] if args.seed is not None else args.seeds if args.seeds is not None else list(DEFAULT_SEEDS)

@@ -112,7 +112,8 @@ def test_fp8_run_uses_the_fp8_policy(smoke):
     _, data, md, _ = smoke
     fp8 = [r for r in data["results"] if r["run"] == "amp-fp8"]
     assert fp8 and all(r["policy"] == "fp8" and r["compute_dtype"] == "bfloat16" for r in fp8)
-    assert demo.POLICIES == {"amp-fp8": "fp8"} and set(demo.RUNS) == {"fp32", "amp-f16", "amp-bf16", "amp-fp8"}
+    assert demo.POLICIES == {"amp-fp8": "fp8"} and set(demo.DEFAULT_RUNS) == {"fp32", "amp-f16", "amp-bf16", "amp-fp8"}
+    assert set(demo.RUNS) == {*demo.DEFAULT_RUNS, "amp-bf16-sr"} and demo.HALF_PARAMS == {"amp-bf16-sr"}
     assert "| amp-fp8 |" in md
 
 
