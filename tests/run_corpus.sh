@@ -3,7 +3,8 @@
 # (pinned in pyproject.toml's `corpus` and `corpus-recurrentgemma` extras; Equinox and Flax
 # come with `test`), run under `autocast.amp` in float16 and bfloat16 against float32
 # (tests/real_models/, docs/real-models.md). Two virtualenvs, created once and re-installed
-# only when pyproject.toml changes, with pip's wheel cache under .cache/pip:
+# only when pyproject.toml changes; pip's own wheel cache (~/.cache/pip) makes a fresh clone's
+# set-up an install without downloads:
 #   .venv-corpus     gemma, keras-hub, diffrax, haiku, jraph (and Equinox, Flax)
 #   .venv-corpus-rg  recurrentgemma: it pins typeguard<3, gemma 4.0.1's kauldron needs
 #                    typeguard>=4.4.1, and recurrentgemma's jaxtyping annotations do not
@@ -12,7 +13,6 @@
 # Extra arguments go to pytest, e.g. `bash tests/run_corpus.sh -k gemma`.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../.ci/venv.sh"
-export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.cache/pip}"
 if ! py="$(find_python 3.13)"; then
   if [ "${CI:-}" = "true" ]; then
     echo "corpus: Python 3.13 not found (install it, e.g. with pyenv)" >&2
@@ -27,6 +27,10 @@ status=0
 ensure_venv .venv-corpus-rg "$py" test,corpus-recurrentgemma
 rg_python="$VENV_PYTHON"
 ensure_venv .venv-corpus "$py" test,corpus
+if [ "${AUTOCAST_CORPUS_SETUP_ONLY:-}" = 1 ]; then  # .ci/run sets the venvs up beside the other lanes
+  echo "corpus: virtualenvs ready in $((SECONDS - start)) s"
+  exit 0
+fi
 cd "$PROJECT_ROOT"
 "$VENV_PYTHON" -c 'import sys, jax; print(f"=== corpus: python {sys.version.split()[0]}, jax {jax.__version__}")'
 start=$SECONDS
