@@ -251,7 +251,8 @@ def test_named_scope_rule_reaches_inside_jit_and_glob_patterns():
 def test_custom_derivative_rules_run_their_matmuls_in_half_under_grad():
     """Under jax.grad, JAX runs the custom_vjp forward rule (not the body) and the
     custom_jvp JVP rule: both are transformed, so their matmuls are half precision. The
-    custom_vjp backward function runs as written (float32), and the user's rules are used."""
+    custom_vjp backward function runs under the policy too (half matmuls; as written, in
+    float32, with ``custom_vjp_bwd="original"``), and the user's rules are used."""
 
     @jax.custom_vjp
     def layer(w, x):
@@ -280,11 +281,15 @@ def test_custom_derivative_rules_run_their_matmuls_in_half_under_grad():
     w = jax.random.normal(jax.random.key(0), (4, 4))
     x = jax.random.normal(jax.random.key(1), (3, 4))
     by_scope = compute_op_dtypes(jax.grad(amp(f)), w, x)
+    assert by_scope[("dot_general", "float32", False)] == 0  # the user's bwd under the policy too
+    assert by_scope[("dot_general", "float16", False)] >= 6  # fwd rule, bwd, gram's JVP rule, its transposes
+    as_written = amp(f, custom_vjp_bwd="original")
+    by_scope = compute_op_dtypes(jax.grad(as_written), w, x)
     assert by_scope[("dot_general", "float32", False)] == 2  # the two matmuls of the user's bwd
-    assert by_scope[("dot_general", "float16", False)] >= 4  # fwd rule, gram's JVP rule, its transposes
     g_ref = jax.grad(f)(w, x)
-    g = jax.grad(amp(f))(w, x)
-    np.testing.assert_allclose(g, g_ref, rtol=2e-2, atol=5e-2 * float(jnp.abs(g_ref).max()))
+    for fn in (amp(f), as_written):
+        g = jax.grad(fn)(w, x)
+        np.testing.assert_allclose(g, g_ref, rtol=2e-2, atol=5e-2 * float(jnp.abs(g_ref).max()))
 
 
 @pytest.mark.parametrize("dtype", HALF)
