@@ -139,8 +139,13 @@ def test_custom_vjp_gradient_clipper_backward_is_used():
     _seen_bwd_dtypes.clear()
     got = jax.grad(autocast.amp(f))(w, x)
     assert tree_max_rel_err(got, ref) < GRAD_TOL, "amp(f) does not use the custom_vjp backward function"
-    # documented: bwd runs in the dtypes its residuals and cotangents arrive in (here the
-    # float16 matmul result), and its clip still applies exactly (checked above)
+    # documented: bwd is traced as JAX would (float32 values) and evaluated under the policy
+    # on the float16 residuals and cotangents; its clip still applies exactly (checked above)
+    assert _seen_bwd_dtypes and all(d == ("float32", "float32") for d in _seen_bwd_dtypes), _seen_bwd_dtypes
+    _seen_bwd_dtypes.clear()
+    got = jax.grad(autocast.amp(f, custom_vjp_bwd="original"))(w, x)
+    assert tree_max_rel_err(got, ref) < GRAD_TOL
+    # as written: bwd runs in the dtypes its residuals and cotangents arrive in (the float16 matmul result)
     assert _seen_bwd_dtypes and all(d == ("float16", "float16") for d in _seen_bwd_dtypes), _seen_bwd_dtypes
     (clip,) = activation_jvps(jax.make_jaxpr(autocast.amp(f))(w, x), "custom_vjp")
     assert [str(v.aval.dtype) for v in clip.invars] == ["float16"], clip
