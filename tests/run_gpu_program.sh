@@ -8,7 +8,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../.ci/venv.sh"
 py="$(find_python 3.13 || echo "${PYTHON:-python3}")"
-ensure_venv .venv-newest "$py" test --upgrade "jax[cpu]"
+ensure_venv .venv-newest "$py" test,checkpoint --upgrade "jax[cpu]"
 version="$("$VENV_PYTHON" -c 'import jaxlib; print(jaxlib.__version__)')"
 plugin="$PROJECT_ROOT/.cache/jax-cuda-plugin-$version"
 if [ ! -f "$plugin/.installed" ]; then

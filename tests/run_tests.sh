@@ -33,7 +33,7 @@ newest_venv() {
     py="${PYTHON:-python3}"
     echo "newest: Python 3.13 not found; using $py with the newest JAX it can install" >&2
   fi
-  ensure_venv .venv-newest "$py" test --upgrade "jax[cpu]"
+  ensure_venv .venv-newest "$py" test,checkpoint --upgrade "jax[cpu]"
 }
 for env in $envs; do
   flags=""
@@ -44,7 +44,7 @@ for env in $envs; do
       newest_venv ;;
     oldest)
       py="$(find_python 3.11 || echo "${PYTHON:-python3}")"
-      ensure_venv .venv-oldest "$py" test "jax[cpu]==$OLDEST_JAX" "jaxlib==$OLDEST_JAX" ;;
+      ensure_venv .venv-oldest "$py" test,checkpoint "jax[cpu]==$OLDEST_JAX" "jaxlib==$OLDEST_JAX" ;;
     *)
       echo "unknown environment '$env' in AUTOCAST_ENVS (allowed: newest, oldest, nextjax)" >&2
       exit 2 ;;
