@@ -46,7 +46,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import autocast  # noqa: E402
-from benchmarks import _gpu_target as T  # noqa: E402
+from benchmarks import deviceless as D  # noqa: E402
+from benchmarks import hlo_model as H  # noqa: E402
 from benchmarks.vit import _Block  # noqa: E402
 
 KERNELS_FILE = Path(__file__).with_name("gpu_program_kernels.json")
@@ -55,7 +56,7 @@ SLACK = 0.05  # a kernel count may grow by 5 % (at least 2) before the guard fai
 
 @functools.cache
 def _sharding():
-    return T.target_sharding("h100")
+    return D.target_sharding("h100")
 
 
 def _block(width, heads, key):
@@ -126,10 +127,10 @@ def _step(model_name: str, system: str, stop_head: bool = False):
 @functools.cache
 def _compiled(model_name: str, system: str, mode: str, stop_head: bool = False):
     step, args = _step(model_name, system, stop_head)
-    jitted = jax.jit(step, donate_argnums=0, compiler_options=T.MODES[mode])
-    lowered = jitted.lower(*T.abstract(args, _sharding()))
+    jitted = jax.jit(step, donate_argnums=0, compiler_options=D.MODES[mode])
+    lowered = jitted.lower(*D.abstract(args, _sharding()))
     compiled = lowered.compile()
-    info = {**T.census(compiled.as_text()), "memory": T.memory(compiled)}
+    info = D.analyse(compiled)
     # float8 matmuls JAX hands to XLA (after JAX's dead-code elimination)
     dots = re.findall(r"stablehlo\.dot_general[^\n]*: \(tensor<(?:[0-9]+x)*(\w+)>", lowered.as_text())
     info["jaxpr_fp8_dots"] = sum(1 for d in dots if d.startswith("f8"))
@@ -137,7 +138,7 @@ def _compiled(model_name: str, system: str, mode: str, stop_head: bool = False):
     return info
 
 
-CASES = [(m, s, mode) for m in ("mlp", "vit", "block") for s in ("bf16", "f16", "fp8") for mode in T.MODES]
+CASES = [(m, s, mode) for m in ("mlp", "vit", "block") for s in ("bf16", "f16", "fp8") for mode in D.MODES]
 
 
 @pytest.mark.parametrize("model,system,mode", CASES)
@@ -171,7 +172,7 @@ def test_amp_step_on_the_gpu_target(model, system, mode):
     _check_kernels(f"{model}/{system}/{mode}", info["kernels"])
 
 
-@pytest.mark.parametrize("mode", list(T.MODES))
+@pytest.mark.parametrize("mode", list(D.MODES))
 def test_census_sees_float32_gemms_in_amp_stop(mode):
     """The control: the MLP's last layer under ``amp_stop`` keeps its float32 GEMMs, and the
     census files them under ``amp_stop``, forward and backward."""
@@ -209,9 +210,9 @@ def test_loop_bodies_are_counted():
 
     step = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16)))
     args = (jnp.ones((4, 128, 128)), jnp.ones((64, 128)))
-    hlo = step.lower(*T.abstract(args, _sharding())).compile().as_text()
-    info = T.census(hlo)
-    entry_only = T.census(hlo.replace(" while(", " not-a-while("))  # the bodies unreached
+    hlo = step.lower(*D.abstract(args, _sharding())).compile().as_text()
+    info = H.census(hlo)
+    entry_only = H.census(hlo.replace(" while(", " not-a-while("))  # the bodies unreached
     assert info["kernel_ops"].get("while", 0) == 0
     assert info["gemm_kernels"] >= 3 > entry_only["gemm_kernels"], (info, entry_only)  # forward, 2 backward
     assert info["kernels"] > entry_only["kernels"]
@@ -220,7 +221,7 @@ def test_loop_bodies_are_counted():
 
 def test_missing_target_names_the_choices():
     with pytest.raises(ValueError, match="h100"):
-        T.target_sharding("a100")
+        D.target_sharding("a100")
 
 
 def _check_kernels(key: str, kernels: int) -> None:
