@@ -327,18 +327,31 @@ def run(args: Any, cmd: str, names: list[str], notes: list[str]) -> dict[str, An
     meta = C.metadata()
     factories = S.SMOKE_MODELS if args.smoke else S.MODELS
     report: dict[str, Any] = {"command": cmd, "meta": meta, "target": args.target, "models": {}}
+    save = Path(args.save_hlo) if getattr(args, "save_hlo", None) else None
+    loaded: dict[str, int] = {}
     for model in args.models:
-        task = factories[model]()
+        task = factories[model](shapes_only=True)  # compiled from shapes: no parameters made
         report["models"][model] = {"description": task.description, "runs": {}}
         for mult in [1] if model in X1_ONLY else args.batch_mults:
             for mode in MODES:
                 res = {}
                 for name in names:
+                    key = f"{model}-x{mult}-{mode}-{name}"
+                    figures = save / f"{key}.json" if save else None
+                    if figures is not None and getattr(args, "resume", False) and figures.exists():
+                        res[name] = json.loads(figures.read_text())
+                        commit = res[name].pop("git_commit", None)
+                        loaded[str(commit)] = loaded.get(str(commit), 0) + 1
+                        print(f"{key}: from {figures}", flush=True)
+                        continue
                     try:
-                        hlo = Path(args.save_hlo) / f"{model}-x{mult}-{mode}-{name}.hlo.gz" if args.save_hlo else None
-                        res[name] = compile_system(task, name, mode, sharding, mult, hlo)
+                        res[name] = compile_system(
+                            task, name, mode, sharding, mult, save / f"{key}.hlo.gz" if save else None
+                        )
                     except Exception as e:  # noqa: BLE001 - a failing system is a result
                         res[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+                    if figures is not None and "error" not in res[name]:
+                        figures.write_text(json.dumps({**res[name], "git_commit": meta.get("git_commit")}))
                     print(
                         f"{model} x{mult} {mode} {name}: "
                         + (
@@ -351,6 +364,12 @@ def run(args: Any, cmd: str, names: list[str], notes: list[str]) -> dict[str, An
                     )
                 checks = _checks(model, res) if model in PEAK_TARGET else {}
                 report["models"][model]["runs"][f"x{mult}-{mode}"] = {"results": res, "targets": checks}
+    if loaded:
+        notes = [
+            *notes,
+            f"- `--resume`: {sum(loaded.values())} steps' figures taken from `{save}` where earlier processes "
+            "compiled them (commit " + ", ".join(f"{c}: {n}" for c, n in loaded.items()) + "); the rest compiled here.",
+        ]
     wall = time.perf_counter() - t0
     report["wall_time_s"] = wall
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
@@ -381,9 +400,48 @@ def reanalyse(json_path: Path, hlo_dir: Path) -> None:
     print(f"rewrote {json_path} and its .md from {hlo_dir}")
 
 
+def merge(parts: list[Path], out: Path) -> dict[str, Any]:
+    """One ``--target`` report of several runs that compiled different models at the same
+    commit (e.g. one process per model, in parallel): models in :data:`train_steps.TARGET_MODELS`
+    order, the commands and wall times of every part. Writes ``out`` ``.json`` and ``.md``."""
+    reports = [json.loads(p.read_text()) for p in parts]
+    commits = {r["meta"].get("git_commit") for r in reports}
+    if len(commits) != 1 or len({r["target"] for r in reports}) != 1:
+        raise ValueError(f"parts from different commits or targets: {commits}")
+    models = {m: e for r in reports for m, e in r["models"].items()}
+    order = [m for m in S.TARGET_MODELS if m in models] + [m for m in models if m not in S.TARGET_MODELS]
+    merged = {
+        "command": " & ".join(r["command"] for r in reports),
+        "meta": min((r["meta"] for r in reports), key=lambda m: m["date"]),
+        "target": reports[0]["target"],
+        "models": {m: models[m] for m in order},
+        "wall_time_s": max(r["wall_time_s"] for r in reports),
+        "notes": list(dict.fromkeys(n for r in reports for n in r.get("notes", [])))
+        + [
+            f"- Run as {len(reports)} processes in parallel (the commands above, joined by `&`), one per model "
+            "group, merged by `python -m benchmarks.deviceless --merge`; wall time: the longest, "
+            + ", ".join(f"{r['wall_time_s'] / 60:.1f} min ({', '.join(r['models'])})" for r in reports)
+            + "."
+        ],
+    }
+    C.write_json(out.with_suffix(".json"), merged)
+    out.with_suffix(".md").write_text(render(merged))
+    print(f"wrote {out}.md and .json")
+    return merged
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=reanalyse.__doc__.splitlines()[0])
-    ap.add_argument("--reanalyse", required=True, type=Path, help="a --target report's .json")
-    ap.add_argument("--hlo-dir", required=True, type=Path, help="the HLO its run saved (--save-hlo)")
+    ap = argparse.ArgumentParser(description="Rework --target reports: recompute the roofline, or merge runs.")
+    ap.add_argument("--reanalyse", type=Path, help="a --target report's .json: recompute its roofline (--hlo-dir)")
+    ap.add_argument("--hlo-dir", type=Path, help="the HLO its run saved (--save-hlo)")
+    ap.add_argument("--merge", nargs="+", type=Path, help="--target reports (.json) of different models, one commit")
+    ap.add_argument("--out", type=Path, help="--merge: the merged report's path without suffix")
     a = ap.parse_args()
-    reanalyse(a.reanalyse, a.hlo_dir)
+    if a.merge:
+        if a.out is None:
+            ap.error("--merge needs --out")
+        merge(a.merge, a.out)
+    if a.reanalyse:
+        if a.hlo_dir is None:
+            ap.error("--reanalyse needs --hlo-dir")
+        reanalyse(a.reanalyse, a.hlo_dir)

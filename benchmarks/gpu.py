@@ -252,6 +252,11 @@ def _parse(argv):
         help="--target: write each step's optimised HLO (gzipped) there, for python -m benchmarks.deviceless --reanalyse",
     )
     ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="--target with --save-hlo: take a step's figures from DIR/<step>.json where an earlier run wrote them",
+    )
+    ap.add_argument(
         "--batch-mults", nargs="+", type=int, default=[1, 4], help="--target: batch sizes as multiples (default 1 4)"
     )
     ap.add_argument("--_child", nargs=2, metavar=("MODEL", "SYSTEM"), help=argparse.SUPPRESS)

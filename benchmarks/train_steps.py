@@ -134,10 +134,14 @@ def _gpt_loss(model, batch, ce=cross_entropy):
     return ce(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def _vit_task(name: str, cfg: ViTConfig, batch: int) -> Task:
-    model = eqx.filter_jit(lambda k: ViT(cfg, key=k))(jax.random.key(0))
+def _vit_task(name: str, cfg: ViTConfig, batch: int, *, shapes_only: bool = False) -> Task:
     desc = f"ViT {cfg.image_size}x{cfg.image_size}/{cfg.patch}, width {cfg.width}, MLP {cfg.mlp_hidden}, "
     desc += f"{cfg.depth} blocks, {cfg.heads} heads, {cfg.classes} classes; batch {batch}"
+    if shapes_only:
+        model = eqx.filter_eval_shape(ViT, cfg, key=jax.random.key(0))
+        data = jax.eval_shape(lambda k: synthetic_batch(cfg, batch, key=k), jax.random.key(1))
+        return Task(name, desc, model, data, _vit_loss, True, lambda: _vit_task(name, cfg, batch))
+    model = eqx.filter_jit(lambda k: ViT(cfg, key=k))(jax.random.key(0))
     return Task(name, desc, model, synthetic_batch(cfg, batch, key=jax.random.key(1)), _vit_loss)
 
 
@@ -155,29 +159,37 @@ def _gpt_task(name: str, cfg: GPTConfig, batch: int, *, shapes_only: bool = Fals
     return Task(name, desc, model, (tokens,), _gpt_loss)
 
 
-MODELS: dict[str, Callable[[], Task]] = {
-    "vit-base": lambda: _vit_task("vit-base", SHAPES["base"], 64),
-    "vit-desktop": lambda: _vit_task("vit-desktop", SHAPES["desktop"], 256),
-    "gpt2-small": lambda: _gpt_task("gpt2-small", GPT2_SMALL, 8),
-    "gpt-1b": lambda: _gpt_task("gpt-1b", GPT_1B, 8, shapes_only=True),
+# model name -> factory(shapes_only=...): the task, its arrays made or shapes only (the 1B GPT:
+# always shapes only; Task.materialise makes them)
+MODELS: dict[str, Callable[..., Task]] = {
+    "vit-base": lambda shapes_only=False: _vit_task("vit-base", SHAPES["base"], 64, shapes_only=shapes_only),
+    "vit-desktop": lambda shapes_only=False: _vit_task("vit-desktop", SHAPES["desktop"], 256, shapes_only=shapes_only),
+    "gpt2-small": lambda shapes_only=False: _gpt_task("gpt2-small", GPT2_SMALL, 8, shapes_only=shapes_only),
+    "gpt-1b": lambda shapes_only=True: _gpt_task("gpt-1b", GPT_1B, 8, shapes_only=True),
 }
 # what a run without --models covers: the measured benchmark leaves out the 1B GPT (its
 # float32 step does not fit an 80 GB GPU); the deviceless --target run compiles it too
 DEFAULT_MODELS = ("vit-base", "vit-desktop", "gpt2-small")
 TARGET_MODELS = (*DEFAULT_MODELS, "gpt-1b")
-SMOKE_MODELS: dict[str, Callable[[], Task]] = {
-    "vit-base": lambda: _vit_task(
+SMOKE_MODELS: dict[str, Callable[..., Task]] = {
+    "vit-base": lambda shapes_only=False: _vit_task(
         "vit-base",
         ViTConfig(image_size=8, channels=3, patch=4, width=32, mlp_hidden=64, depth=1, heads=2, classes=10),
         4,
+        shapes_only=shapes_only,
     ),
-    "vit-desktop": lambda: _vit_task(
+    "vit-desktop": lambda shapes_only=False: _vit_task(
         "vit-desktop",
         ViTConfig(image_size=8, channels=3, patch=2, width=16, mlp_hidden=32, depth=1, heads=2, classes=10),
         2,
+        shapes_only=shapes_only,
     ),
-    "gpt2-small": lambda: _gpt_task("gpt2-small", GPTConfig(vocab=64, seq=16, width=32, depth=1, heads=2), 2),
-    "gpt-1b": lambda: _gpt_task("gpt-1b", GPTConfig(vocab=64, seq=16, width=32, depth=2, heads=2), 2, shapes_only=True),
+    "gpt2-small": lambda shapes_only=False: _gpt_task(
+        "gpt2-small", GPTConfig(vocab=64, seq=16, width=32, depth=1, heads=2), 2, shapes_only=shapes_only
+    ),
+    "gpt-1b": lambda shapes_only=True: _gpt_task(
+        "gpt-1b", GPTConfig(vocab=64, seq=16, width=32, depth=2, heads=2), 2, shapes_only=True
+    ),
 }
 
 # ----------------------------------------------------------------------------- systems

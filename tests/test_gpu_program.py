@@ -21,7 +21,11 @@ float16 and float8 (``load_policy("fp8")``) must have:
 - less temp memory than the float32 step (bf16, f16); XLA's own peak at most arguments +
   outputs + temp - aliased;
 - at most the committed kernel count (``gpu_program_kernels.json``, a regression guard;
-  ``AUTOCAST_UPDATE_KERNELS=1`` rewrites it).
+  ``AUTOCAST_UPDATE_KERNELS=1`` rewrites it);
+- at most 2 % more HBM bytes and modeled time (the roofline model of
+  ``benchmarks/hlo_model.py``, H100 SXM rates) than committed in ``gpu_program_roofline.json``
+  (float32 steps included; the compile is deterministic, so any rise is a change in the
+  program; ``AUTOCAST_UPDATE_ROOFLINE=1`` rewrites it).
 
 Runs in ``bash tests/run_gpu_program.sh`` (installs the plugin, about 200 MB, cached);
 elsewhere it skips, saying so.
@@ -52,6 +56,8 @@ from benchmarks.vit import _Block  # noqa: E402
 
 KERNELS_FILE = Path(__file__).with_name("gpu_program_kernels.json")
 SLACK = 0.05  # a kernel count may grow by 5 % (at least 2) before the guard fails
+ROOFLINE_FILE = Path(__file__).with_name("gpu_program_roofline.json")
+ROOFLINE_SLACK = 0.02  # HBM bytes and modeled time may grow by 2 % before the guard fails
 
 
 @functools.cache
@@ -170,6 +176,13 @@ def test_amp_step_on_the_gpu_target(model, system, mode):
     if system != "fp8":  # fp8 keeps float32 amax histories and scales; bf16/f16 halve activations
         assert mem["temp"] < base_mem["temp"], (mem, base_mem)
     _check_kernels(f"{model}/{system}/{mode}", info["kernels"])
+    _check_roofline(f"{model}/{system}/{mode}", info["roofline"])
+
+
+@pytest.mark.parametrize("model,mode", [(m, mode) for m in ("mlp", "vit", "block") for mode in D.MODES])
+def test_float32_step_roofline(model, mode):
+    """The float32 steps (compiled anyway as the baselines) under the same roofline guard."""
+    _check_roofline(f"{model}/fp32/{mode}", _compiled(model, "fp32", mode)["roofline"])
 
 
 @pytest.mark.parametrize("mode", list(D.MODES))
@@ -234,3 +247,18 @@ def _check_kernels(key: str, kernels: int) -> None:
     assert key in table, f"no committed kernel count for {key}: run with AUTOCAST_UPDATE_KERNELS=1"
     limit = table[key] + max(2, int(SLACK * table[key]))
     assert kernels <= limit, f"{key}: {kernels} kernels, committed {table[key]} (limit {limit})"
+
+
+def _check_roofline(key: str, roofline: dict) -> None:
+    """HBM bytes and modeled step time at most 2 % above the committed figures."""
+    now = {"hbm_bytes": roofline["hbm_bytes"], "time_us": round(roofline["time_s"] * 1e6, 3)}
+    if os.environ.get("AUTOCAST_UPDATE_ROOFLINE") == "1":
+        table = json.loads(ROOFLINE_FILE.read_text()) if ROOFLINE_FILE.exists() else {}
+        table[key] = now
+        ROOFLINE_FILE.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+        return
+    table = json.loads(ROOFLINE_FILE.read_text())
+    assert key in table, f"no committed roofline figures for {key}: run with AUTOCAST_UPDATE_ROOFLINE=1"
+    for field, value in now.items():
+        limit = table[key][field] * (1 + ROOFLINE_SLACK)
+        assert value <= limit, f"{key}: {field} {value:,} above the committed {table[key][field]:,} by more than 2 %"

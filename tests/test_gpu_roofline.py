@@ -91,16 +91,17 @@ def test_target_report_of_a_shapes_only_model(tmp_path):
     from benchmarks import gpu
 
     report = gpu.main(
-        ["--target", "h100", "--smoke", "--models", "gpt-1b", "--systems", "fp32", "autocast-bf16"]
+        ["--target", "h100", "--smoke", "--models", "gpt-1b", "--systems", "autocast-bf16"]
         + ["--batch-mults", "1", "4", "--out-dir", str(tmp_path)]
     )
     runs = report["models"]["gpt-1b"]["runs"]
     assert list(runs) == ["x1-triton", "x1-cublas"]  # the 1B GPT: batch x1 only
     for run in runs.values():
-        for system in ("fp32", "autocast-bf16"):
-            r = run["results"][system]["roofline"]
-            assert r["time_s"] == pytest.approx(r["gemm_time_s"] + r["other_time_s"])
-            assert r["hbm_bytes"] > 0 and r["gemm_flops"] > 0 and r["kernels"] == run["results"][system]["kernels"]
+        res = run["results"]["autocast-bf16"]
+        r = res["roofline"]
+        assert r["time_s"] == pytest.approx(r["gemm_time_s"] + r["other_time_s"])
+        assert r["hbm_bytes"] > 0 and r["gemm_flops"] > 0 and r["kernels"] == res["kernels"]
+        assert set(res["gemms"]) == {"bf16 x bf16"}, res["gemms"]
     md = (tmp_path / Path(report["paths"][0]).name).read_text()
     assert "Modeled step time on an H100 SXM" in md and "| gpt-1b | x1 | triton |" in md
     assert "shapes only" in report["models"]["gpt-1b"]["description"]
