@@ -333,7 +333,7 @@ def run(args: Any, cmd: str, names: list[str], notes: list[str]) -> dict[str, An
         task = factories[model](shapes_only=True)  # compiled from shapes: no parameters made
         report["models"][model] = {"description": task.description, "runs": {}}
         for mult in [1] if model in X1_ONLY else args.batch_mults:
-            for mode in MODES:
+            for mode in getattr(args, "modes", None) or MODES:
                 res = {}
                 for name in names:
                     key = f"{model}-x{mult}-{mode}-{name}"

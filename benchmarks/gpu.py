@@ -252,6 +252,13 @@ def _parse(argv):
         help="--target: write each step's optimised HLO (gzipped) there, for python -m benchmarks.deviceless --reanalyse",
     )
     ap.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("triton", "cublas"),
+        default=["triton", "cublas"],
+        help="--target: GEMM modes (default both)",
+    )
+    ap.add_argument(
         "--resume",
         action="store_true",
         help="--target with --save-hlo: take a step's figures from DIR/<step>.json where an earlier run wrote them",
