@@ -7,9 +7,10 @@ the system uses it) of every system is compiled and measured:
   ``autocast-fp8`` (``policies/fp8.toml``: weight matmuls as scaled float8 products, the
   rest as bf16); ``mpx-bf16``, the MPX recipe (the ``mpx`` package: cast the model and
   batch to half, loss head in float32), skipped with a note when ``mpx`` is not importable;
-- models: ViT-Base (224x224, patch 16, 768/3072, 12 blocks) and the MPX paper's "desktop"
-  ViT (``benchmarks/vit.py``), and a GPT-2-small-sized causal transformer (12 blocks,
-  width 768, 12 heads, 1024 tokens, vocabulary 50257, tied embeddings);
+- models (``benchmarks/train_steps.py``): ViT-Base (224x224, patch 16, 768/3072, 12 blocks)
+  and the MPX paper's "desktop" ViT (``benchmarks/vit.py``), and a GPT-2-small-sized causal
+  transformer (12 blocks, width 768, 12 heads, 1024 tokens, vocabulary 50257, tied
+  embeddings); ``--models gpt-1b``: a 1B-parameter GPT (16 blocks, width 2048, 2048 tokens);
 - numbers: median step time (calls interleaved across systems), peak device memory
   (``device.memory_stats()``; each system in its own process on a GPU/TPU; ``n/a`` on
   CPU), the relative L2 error of the step-0 gradient against ``fp32``'s, and whether the
@@ -22,9 +23,13 @@ the command. ``--smoke`` runs the same code with tiny sizes (a few seconds on a 
 test suite runs it). From the repository root::
 
     bash benchmarks/run_gpu.sh            # = PYTHONPATH=. python -m benchmarks.gpu
-    bash benchmarks/run_gpu.sh --target h100   # compiled for an H100 without one (benchmarks/gpu_target.py)
+    bash benchmarks/run_gpu.sh --target h100   # compiled for an H100 without one (benchmarks/deviceless.py)
     bash benchmarks/run_gpu.sh --models gpt2-small --repeats 50
     python -m benchmarks.gpu --smoke --out-dir /tmp/gpu-smoke
+
+The files: this one measures and holds the command line; ``benchmarks/train_steps.py`` the
+models and systems; ``benchmarks/deviceless.py`` the ``--target`` compiles and their
+report; ``benchmarks/hlo_model.py`` the reading of the compiled HLO (census, roofline model).
 """
 
 from __future__ import annotations
@@ -32,16 +37,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import functools
-import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,203 +52,22 @@ if __package__ in (None, ""):  # allow `python benchmarks/gpu.py`
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
-import autocast
 from benchmarks import _common as C
-from benchmarks.vit import SHAPES, ViT, ViTConfig, cross_entropy, synthetic_batch
+from benchmarks.train_steps import (
+    DEFAULT_MODELS,
+    MODELS,
+    SMOKE_MODELS,
+    SYSTEMS,
+    TARGET_MODELS,
+    Task,
+    build_system,
+    mpx_available,
+)
 
-F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
-SYSTEMS = ("fp32", "autocast-bf16", "autocast-f16", "autocast-fp8", "mpx-bf16")
-
-# ----------------------------------------------------------------------------- models
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """A GPT-2-style causal transformer (pre-LN, GELU MLP, tied input/output embedding)."""
-
-    vocab: int
-    seq: int
-    width: int
-    depth: int
-    heads: int
-
-
-GPT2_SMALL = GPTConfig(vocab=50257, seq=1024, width=768, depth=12, heads=12)
-
-
-class _GPTBlock(eqx.Module):
-    ln1: eqx.nn.LayerNorm
-    attn: eqx.nn.MultiheadAttention
-    ln2: eqx.nn.LayerNorm
-    fc1: eqx.nn.Linear
-    fc2: eqx.nn.Linear
-
-    def __init__(self, width: int, heads: int, *, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.ln1 = eqx.nn.LayerNorm(width)
-        self.attn = eqx.nn.MultiheadAttention(heads, width, key=k1)
-        self.ln2 = eqx.nn.LayerNorm(width)
-        self.fc1 = eqx.nn.Linear(width, 4 * width, key=k2)
-        self.fc2 = eqx.nn.Linear(4 * width, width, key=k3)
-
-    def __call__(self, x, mask):
-        h = jax.vmap(self.ln1)(x)
-        x = x + self.attn(h, h, h, mask=mask)
-        return x + jax.vmap(self.fc2)(jax.nn.gelu(jax.vmap(self.fc1)(jax.vmap(self.ln2)(x))))
-
-
-class GPT(eqx.Module):
-    """Causal language model for one sequence of token ids ``(T,)`` -> logits ``(T, vocab)``."""
-
-    embed: eqx.nn.Embedding
-    pos: jax.Array
-    blocks: tuple[_GPTBlock, ...]
-    ln: eqx.nn.LayerNorm
-
-    def __init__(self, cfg: GPTConfig, *, key):
-        keys = jax.random.split(key, cfg.depth + 2)
-        self.embed = eqx.nn.Embedding(cfg.vocab, cfg.width, key=keys[0])
-        self.pos = 0.01 * jax.random.normal(keys[1], (cfg.seq, cfg.width))
-        self.blocks = tuple(_GPTBlock(cfg.width, cfg.heads, key=k) for k in keys[2:])
-        self.ln = eqx.nn.LayerNorm(cfg.width)
-
-    def __call__(self, tokens):
-        x = jax.vmap(self.embed)(tokens) + self.pos[: tokens.shape[0]]
-        mask = jnp.tril(jnp.ones((tokens.shape[0], tokens.shape[0]), bool))
-        for block in self.blocks:
-            x = block(x, mask)
-        return jax.vmap(self.ln)(x) @ self.embed.weight.T
-
-
-@dataclass
-class Task:
-    """A model, a batch and its loss ``loss(model, batch, ce) -> scalar`` (``ce``: the
-    cross-entropy to use, so the MPX recipe can force its loss head to float32)."""
-
-    name: str
-    description: str
-    model: Any
-    batch: tuple[Any, ...]
-    loss: Callable[..., Any]
-
-
-def _vit_loss(model, batch, ce=cross_entropy):
-    x, y = batch
-    return ce(jax.vmap(model)(x), y)
-
-
-def _gpt_loss(model, batch, ce=cross_entropy):
-    (tokens,) = batch
-    logits = jax.vmap(model)(tokens[:, :-1])
-    return ce(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-
-
-def _vit_task(name: str, cfg: ViTConfig, batch: int) -> Task:
-    model = eqx.filter_jit(lambda k: ViT(cfg, key=k))(jax.random.key(0))
-    desc = f"ViT {cfg.image_size}x{cfg.image_size}/{cfg.patch}, width {cfg.width}, MLP {cfg.mlp_hidden}, "
-    desc += f"{cfg.depth} blocks, {cfg.heads} heads, {cfg.classes} classes; batch {batch}"
-    return Task(name, desc, model, synthetic_batch(cfg, batch, key=jax.random.key(1)), _vit_loss)
-
-
-def _gpt_task(name: str, cfg: GPTConfig, batch: int) -> Task:
-    model = eqx.filter_jit(lambda k: GPT(cfg, key=k))(jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (batch, cfg.seq + 1), 0, cfg.vocab)
-    desc = f"GPT: vocabulary {cfg.vocab}, {cfg.seq} tokens, width {cfg.width}, {cfg.depth} blocks, "
-    desc += f"{cfg.heads} heads; batch {batch}"
-    return Task(name, desc, model, (tokens,), _gpt_loss)
-
-
-MODELS: dict[str, Callable[[], Task]] = {
-    "vit-base": lambda: _vit_task("vit-base", SHAPES["base"], 64),
-    "vit-desktop": lambda: _vit_task("vit-desktop", SHAPES["desktop"], 256),
-    "gpt2-small": lambda: _gpt_task("gpt2-small", GPT2_SMALL, 8),
-}
-SMOKE_MODELS: dict[str, Callable[[], Task]] = {
-    "vit-base": lambda: _vit_task(
-        "vit-base",
-        ViTConfig(image_size=8, channels=3, patch=4, width=32, mlp_hidden=64, depth=1, heads=2, classes=10),
-        4,
-    ),
-    "vit-desktop": lambda: _vit_task(
-        "vit-desktop",
-        ViTConfig(image_size=8, channels=3, patch=2, width=16, mlp_hidden=32, depth=1, heads=2, classes=10),
-        2,
-    ),
-    "gpt2-small": lambda: _gpt_task("gpt2-small", GPTConfig(vocab=64, seq=16, width=32, depth=1, heads=2), 2),
-}
-
-# ----------------------------------------------------------------------------- systems
-
-
-@dataclass
-class System:
-    """``step(params, opt_state, scaler, batch) -> (params, opt_state, scaler, loss, grads)``:
-    one training step that also returns its (unscaled) gradient."""
-
-    name: str
-    step: Callable[..., Any]
-    scaler: Any = None
-    context: Callable[[], Any] = field(default=contextlib.nullcontext)
-
-
-def mpx_available() -> bool:
-    return importlib.util.find_spec("mpx") is not None
-
-
-def _apply(opt, params, opt_state, grads):
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-
-def build_system(name: str, task: Task, static: Any, opt: Any) -> System:
-    """System ``name`` (one of ``SYSTEMS``) for ``task``."""
-    if name == "fp32":
-
-        def step(p, opt_state, scaler, batch):
-            loss, g = jax.value_and_grad(lambda q: task.loss(eqx.combine(q, static), batch))(p)
-            p, opt_state = _apply(opt, p, opt_state, g)
-            return p, opt_state, scaler, loss, g
-
-        return System(name, step)
-    if name.startswith("autocast"):
-        dtype = {"autocast-bf16": BF16, "autocast-f16": F16, "autocast-fp8": BF16}[name]
-        policy = autocast.load_policy("fp8") if name == "autocast-fp8" else None
-        amp_loss = autocast.amp(task.loss, compute_dtype=dtype, amp_policy=policy)
-        gfn = autocast.dynamic_scale_value_and_grad(amp_loss)
-
-        def step(p, opt_state, scaler, batch):
-            model = eqx.combine(p, static)
-            scaler, (loss, grads) = gfn(model, batch, dynamic_scaler_state=scaler)
-            model, opt_state = autocast.optimizer_update(model, opt, opt_state, grads, scaler.grads_finite)
-            return eqx.filter(model, eqx.is_array), opt_state, scaler, loss, eqx.filter(grads, eqx.is_array)
-
-        scaler = autocast.DynamicScalerState() if dtype == F16 else autocast.NoOpScalerState()
-        return System(name, step, scaler)
-    if name == "mpx-bf16":
-        import mpx
-
-        ce = mpx.force_full_precision(cross_entropy, F32)
-
-        def f(model, batch):
-            model, batch = mpx.cast_to_half_precision((model, batch))
-            return task.loss(model, batch, ce)
-
-        def step(p, opt_state, scaler, batch):
-            model = eqx.combine(p, static)
-            loss, scaler, finite, grads = mpx.filter_value_and_grad(f, scaler)(model, batch)
-            model, opt_state = mpx.optimizer_update(model, opt, opt_state, grads, finite)
-            return eqx.filter(model, eqx.is_array), opt_state, scaler, loss, eqx.filter(grads, eqx.is_array)
-
-        scaler = mpx.DynamicLossScaling(
-            loss_scaling=jnp.asarray(2.0**15, F32), min_loss_scaling=jnp.asarray(1.0, F32), period=2000
-        )
-        return System(name, step, scaler, functools.partial(C.mpx_half_dtype, BF16))
-    raise ValueError(f"system {name!r} unknown; allowed: {list(SYSTEMS)}")
-
+__all__ = ["DEFAULT_MODELS", "MODELS", "SMOKE_MODELS", "SYSTEMS", "TARGET_MODELS", "build_system", "main"]
 
 # ----------------------------------------------------------------------------- measuring
 
@@ -326,7 +146,7 @@ def measure_in_process(task: Task, names: list[str], *, warmup: int, repeats: in
 
 def _child(model: str, name: str, smoke: bool, warmup: int, repeats: int) -> None:
     """One system in a fresh process: its peak device memory is its own."""
-    task = (SMOKE_MODELS if smoke else MODELS)[model]()
+    task = (SMOKE_MODELS if smoke else MODELS)[model]().materialise()
     res = measure_in_process(task, [name], warmup=warmup, repeats=repeats)[name]
     res["peak_bytes"] = C.device_peak_bytes()
     grads = res.pop("grads0", None)
@@ -402,7 +222,13 @@ def table(model: str, desc: str, results: dict[str, dict[str, Any]], backend: st
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, few repeats: checks the code on any backend")
-    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(MODELS),
+        default=None,
+        help=f"default: {' '.join(DEFAULT_MODELS)}; with --target also {' '.join(sorted(set(TARGET_MODELS) - set(DEFAULT_MODELS)))}",
+    )
     ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
     ap.add_argument("--repeats", type=int, default=None, help="timed steps per system (default 20; smoke 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per system (default 3; smoke 1)")
@@ -420,10 +246,29 @@ def _parse(argv):
         help="compile for this GPU without one (deviceless; needs the jax-cuda plugin): kernels, GEMMs, memory",
     )
     ap.add_argument(
+        "--save-hlo",
+        default=None,
+        metavar="DIR",
+        help="--target: write each step's optimised HLO (gzipped) there, for python -m benchmarks.deviceless --reanalyse",
+    )
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("triton", "cublas"),
+        default=["triton", "cublas"],
+        help="--target: GEMM modes (default both)",
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="--target with --save-hlo: take a step's figures from DIR/<step>.json where an earlier run wrote them",
+    )
+    ap.add_argument(
         "--batch-mults", nargs="+", type=int, default=[1, 4], help="--target: batch sizes as multiples (default 1 4)"
     )
     ap.add_argument("--_child", nargs=2, metavar=("MODEL", "SYSTEM"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.models = args.models or list(TARGET_MODELS if args.target else DEFAULT_MODELS)
     args.repeats = args.repeats if args.repeats is not None else (3 if args.smoke else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
     if any(m < 1 for m in args.batch_mults):
@@ -444,11 +289,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     cmd = " ".join(["python -m benchmarks.gpu", *(argv if argv is not None else sys.argv[1:])])
     if args.target:
-        from benchmarks import gpu_target
+        from benchmarks import deviceless
 
         names = [n for n in args.systems if n != "mpx-bf16" or mpx_available()]
         skipped = ["- mpx-bf16: skipped, `mpx` is not importable here."] if len(names) < len(args.systems) else []
-        return gpu_target.run(args, cmd, names, skipped)
+        return deviceless.run(args, cmd, names, skipped)
     t0 = time.perf_counter()
     meta = C.metadata()
     backend = jax.default_backend()
@@ -471,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"command": cmd, "meta": meta, "args": vars(args), "smoke": args.smoke, "models": {}}
     sections = []
     for model in args.models:
-        task = factories[model]()
+        task = factories[model]().materialise()
         if isolate:
             res = measure_isolated(
                 model, names, smoke=args.smoke, warmup=args.warmup, repeats=args.repeats, tmp=out_dir

@@ -5,7 +5,8 @@ compiles the steps of ``tests/test_gpu_program.py`` (Equinox MLP, ViT, transform
 fp32, bf16, f16, fp8; Triton and cuBLAS modes) without a GPU and writes
 ``benchmarks/results/gpu-program-census-<label>-<date>.md``: kernels, GEMM launches, GEMMs by
 operand and result dtype, float32 x float32 GEMMs outside ``amp_stop``, transposes around
-GEMMs, temp and peak memory. ``--autocast-from DIR`` imports ``autocast`` from ``DIR`` (an
+GEMMs, temp and peak memory, HBM bytes and modeled time (the roofline model of
+``benchmarks/hlo_model.py``). ``--autocast-from DIR`` imports ``autocast`` from ``DIR`` (an
 older checkout, for a before/after comparison). Compile-time facts: no timings.
 """
 
@@ -35,8 +36,8 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = [
         "| model | system | mode | kernels | GEMM launches | GEMMs (operands -> result) | f32 x f32 outside amp_stop "
-        "| transposes into / after GEMMs | temp MiB | peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| transposes into / after GEMMs | temp MiB | peak MiB | HBM MiB | modeled µs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     t0 = time.perf_counter()
     for model in args.models:
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(
                     f"| {model} | {system} | {mode} | {r['kernels']} | {r['gemm_kernels']} | {gemms} | {r['f32_gemms']} "
                     f"| {r['transposes_into_gemms']} / {r['transposes_after_gemms']} | {m['temp'] / 2**20:.2f} "
-                    f"| {m['peak'] / 2**20:.2f} |"
+                    f"| {m['peak'] / 2**20:.2f} | {r['roofline']['hbm_bytes'] / 2**20:.1f} "
+                    f"| {r['roofline']['time_s'] * 1e6:.1f} |"
                 )
                 print(rows[-1], flush=True)
     wall = time.perf_counter() - t0
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         f"Command: `{cmd}`\n\n- date: {date}\n- machine: {platform.node()} ({platform.machine()}, CPU only)\n"
         f"- jax {jax.__version__}, autocast from `{Path(autocast.__file__).parent}`\n- wall time: {wall:.0f} s\n\n"
         "Steps of `tests/test_gpu_program.py` (value_and_grad + SGD, parameters donated). No timings, no "
-        "autotuning; compare within one mode. Definitions: docs/gpu-benchmark.md.\n\n" + "\n".join(rows) + "\n"
+        "autotuning; compare within one mode. HBM MiB and modeled µs: the roofline model (a model, not a "
+        "measurement). Definitions: docs/gpu-benchmark.md.\n\n" + "\n".join(rows) + "\n"
     )
     out = Path(__file__).resolve().parent / "results" / f"gpu-program-census-{args.label}-{date}.md"
     out.write_text(md)

@@ -3,7 +3,9 @@
 # (deviceless XLA:GPU, see tests/test_gpu_program.py) and check what XLA:GPU makes of them.
 # Installs the jax-cuda12 plugin wheels matching the newest venv's jaxlib (about 200 MB, no
 # nvidia-* wheels, no GPU needed) once into .cache/jax-cuda-plugin-<version>/ (pip's cache
-# makes a re-download cheap), then runs the test file with it on PYTHONPATH.
+# makes a re-download cheap), then runs the test files with it on PYTHONPATH (test_gpu_program.py:
+# the train steps' census, memory and roofline guard; test_gpu_roofline.py: the roofline model on
+# programs with hand-counted bytes and FLOPs).
 # Extra arguments go to pytest.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../.ci/venv.sh"
@@ -20,4 +22,4 @@ fi
 # JAX_PLATFORMS=cpu before JAX starts: the plugin then registers without calling cuInit.
 cd "$PROJECT_ROOT"
 JAX_PLATFORMS=cpu PYTHONPATH="$plugin${PYTHONPATH:+:$PYTHONPATH}" \
-  "$VENV_PYTHON" -m pytest -p no:cacheprovider -q tests/test_gpu_program.py "$@"
+  "$VENV_PYTHON" -m pytest -p no:cacheprovider -q tests/test_gpu_program.py tests/test_gpu_roofline.py "$@"

@@ -21,7 +21,11 @@ float16 and float8 (``load_policy("fp8")``) must have:
 - less temp memory than the float32 step (bf16, f16); XLA's own peak at most arguments +
   outputs + temp - aliased;
 - at most the committed kernel count (``gpu_program_kernels.json``, a regression guard;
-  ``AUTOCAST_UPDATE_KERNELS=1`` rewrites it).
+  ``AUTOCAST_UPDATE_KERNELS=1`` rewrites it);
+- at most 2 % more HBM bytes and modeled time (the roofline model of
+  ``benchmarks/hlo_model.py``, H100 SXM rates) than committed in ``gpu_program_roofline.json``
+  (float32 steps included; the compile is deterministic, so any rise is a change in the
+  program; ``AUTOCAST_UPDATE_ROOFLINE=1`` rewrites it).
 
 Runs in ``bash tests/run_gpu_program.sh`` (installs the plugin, about 200 MB, cached);
 elsewhere it skips, saying so.
@@ -46,16 +50,19 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import autocast  # noqa: E402
-from benchmarks import _gpu_target as T  # noqa: E402
+from benchmarks import deviceless as D  # noqa: E402
+from benchmarks import hlo_model as H  # noqa: E402
 from benchmarks.vit import _Block  # noqa: E402
 
 KERNELS_FILE = Path(__file__).with_name("gpu_program_kernels.json")
 SLACK = 0.05  # a kernel count may grow by 5 % (at least 2) before the guard fails
+ROOFLINE_FILE = Path(__file__).with_name("gpu_program_roofline.json")
+ROOFLINE_SLACK = 0.02  # HBM bytes and modeled time may grow by 2 % before the guard fails
 
 
 @functools.cache
 def _sharding():
-    return T.target_sharding("h100")
+    return D.target_sharding("h100")
 
 
 def _block(width, heads, key):
@@ -126,10 +133,10 @@ def _step(model_name: str, system: str, stop_head: bool = False):
 @functools.cache
 def _compiled(model_name: str, system: str, mode: str, stop_head: bool = False):
     step, args = _step(model_name, system, stop_head)
-    jitted = jax.jit(step, donate_argnums=0, compiler_options=T.MODES[mode])
-    lowered = jitted.lower(*T.abstract(args, _sharding()))
+    jitted = jax.jit(step, donate_argnums=0, compiler_options=D.MODES[mode])
+    lowered = jitted.lower(*D.abstract(args, _sharding()))
     compiled = lowered.compile()
-    info = {**T.census(compiled.as_text()), "memory": T.memory(compiled)}
+    info = D.analyse(compiled)
     # float8 matmuls JAX hands to XLA (after JAX's dead-code elimination)
     dots = re.findall(r"stablehlo\.dot_general[^\n]*: \(tensor<(?:[0-9]+x)*(\w+)>", lowered.as_text())
     info["jaxpr_fp8_dots"] = sum(1 for d in dots if d.startswith("f8"))
@@ -137,7 +144,7 @@ def _compiled(model_name: str, system: str, mode: str, stop_head: bool = False):
     return info
 
 
-CASES = [(m, s, mode) for m in ("mlp", "vit", "block") for s in ("bf16", "f16", "fp8") for mode in T.MODES]
+CASES = [(m, s, mode) for m in ("mlp", "vit", "block") for s in ("bf16", "f16", "fp8") for mode in D.MODES]
 
 
 @pytest.mark.parametrize("model,system,mode", CASES)
@@ -169,9 +176,16 @@ def test_amp_step_on_the_gpu_target(model, system, mode):
     if system != "fp8":  # fp8 keeps float32 amax histories and scales; bf16/f16 halve activations
         assert mem["temp"] < base_mem["temp"], (mem, base_mem)
     _check_kernels(f"{model}/{system}/{mode}", info["kernels"])
+    _check_roofline(f"{model}/{system}/{mode}", info["roofline"])
 
 
-@pytest.mark.parametrize("mode", list(T.MODES))
+@pytest.mark.parametrize("model,mode", [(m, mode) for m in ("mlp", "vit", "block") for mode in D.MODES])
+def test_float32_step_roofline(model, mode):
+    """The float32 steps (compiled anyway as the baselines) under the same roofline guard."""
+    _check_roofline(f"{model}/fp32/{mode}", _compiled(model, "fp32", mode)["roofline"])
+
+
+@pytest.mark.parametrize("mode", list(D.MODES))
 def test_census_sees_float32_gemms_in_amp_stop(mode):
     """The control: the MLP's last layer under ``amp_stop`` keeps its float32 GEMMs, and the
     census files them under ``amp_stop``, forward and backward."""
@@ -209,9 +223,9 @@ def test_loop_bodies_are_counted():
 
     step = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16)))
     args = (jnp.ones((4, 128, 128)), jnp.ones((64, 128)))
-    hlo = step.lower(*T.abstract(args, _sharding())).compile().as_text()
-    info = T.census(hlo)
-    entry_only = T.census(hlo.replace(" while(", " not-a-while("))  # the bodies unreached
+    hlo = step.lower(*D.abstract(args, _sharding())).compile().as_text()
+    info = H.census(hlo)
+    entry_only = H.census(hlo.replace(" while(", " not-a-while("))  # the bodies unreached
     assert info["kernel_ops"].get("while", 0) == 0
     assert info["gemm_kernels"] >= 3 > entry_only["gemm_kernels"], (info, entry_only)  # forward, 2 backward
     assert info["kernels"] > entry_only["kernels"]
@@ -220,7 +234,7 @@ def test_loop_bodies_are_counted():
 
 def test_missing_target_names_the_choices():
     with pytest.raises(ValueError, match="h100"):
-        T.target_sharding("a100")
+        D.target_sharding("a100")
 
 
 def _check_kernels(key: str, kernels: int) -> None:
@@ -233,3 +247,18 @@ def _check_kernels(key: str, kernels: int) -> None:
     assert key in table, f"no committed kernel count for {key}: run with AUTOCAST_UPDATE_KERNELS=1"
     limit = table[key] + max(2, int(SLACK * table[key]))
     assert kernels <= limit, f"{key}: {kernels} kernels, committed {table[key]} (limit {limit})"
+
+
+def _check_roofline(key: str, roofline: dict) -> None:
+    """HBM bytes and modeled step time at most 2 % above the committed figures."""
+    now = {"hbm_bytes": roofline["hbm_bytes"], "time_us": round(roofline["time_s"] * 1e6, 3)}
+    if os.environ.get("AUTOCAST_UPDATE_ROOFLINE") == "1":
+        table = json.loads(ROOFLINE_FILE.read_text()) if ROOFLINE_FILE.exists() else {}
+        table[key] = now
+        ROOFLINE_FILE.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+        return
+    table = json.loads(ROOFLINE_FILE.read_text())
+    assert key in table, f"no committed roofline figures for {key}: run with AUTOCAST_UPDATE_ROOFLINE=1"
+    for field, value in now.items():
+        limit = table[key][field] * (1 + ROOFLINE_SLACK)
+        assert value <= limit, f"{key}: {field} {value:,} above the committed {table[key][field]:,} by more than 2 %"
