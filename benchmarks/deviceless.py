@@ -141,7 +141,7 @@ def compile_system(
     params, static = eqx.partition(task.model, S.is_leaf_array)
     opt = optax.adamw(1e-4, weight_decay=1e-4)
     system = S.build_system(name, task, static, opt)
-    state = (params, jax.eval_shape(opt.init, params), system.scaler)
+    state = (*system.init(params, opt), system.scaler)
     args = (*abstract(state, sharding), abstract(task.batch, sharding, batch_mult))
     t0 = time.perf_counter()
     # the step as users run it: parameters, optimizer state, scaler and loss out (the measured

@@ -5,7 +5,8 @@ the system uses it) of every system is compiled and measured:
 
 - systems: ``fp32``; ``autocast-bf16``, ``autocast-f16`` (dynamic loss scaler) and
   ``autocast-fp8`` (``policies/fp8.toml``: weight matmuls as scaled float8 products, the
-  rest as bf16); ``mpx-bf16``, the MPX recipe (the ``mpx`` package: cast the model and
+  rest as bf16); ``autocast-bf16-sr``: amp bf16 with bfloat16 parameters and AdamW moments,
+  updated with stochastic rounding (no float32 master copy); ``mpx-bf16``, the MPX recipe (the ``mpx`` package: cast the model and
   batch to half, loss head in float32), skipped with a note when ``mpx`` is not importable;
 - models (``benchmarks/train_steps.py``): ViT-Base (224x224, patch 16, 768/3072, 12 blocks)
   and the MPX paper's "desktop" ViT (``benchmarks/vit.py``), and a GPT-2-small-sized causal
@@ -103,8 +104,8 @@ _compiler_options: dict[str, Any] | None = None
 def _prepare(task: Task, name: str):
     params, static = eqx.partition(task.model, eqx.is_array)
     opt = optax.adamw(1e-4, weight_decay=1e-4)
-    opt_state = opt.init(params)
     system = build_system(name, task, static, opt)
+    params, opt_state = system.init(params, opt)
     with system.context():
         jitted = jax.jit(system.step, compiler_options=_compiler_options)
         (lowered, compiled), times = C.trace_lower_compile(jitted, params, opt_state, system.scaler, task.batch)

@@ -9,7 +9,10 @@ GPU target (:mod:`benchmarks.deviceless`); nothing here measures or compiles.
   1B-parameter GPT (16 blocks, width 2048, 16 heads, 2048 tokens) whose parameters and batch
   are shapes only (:attr:`Task.shapes_only`, never materialised unless a measured run asks);
 - systems (:data:`SYSTEMS`): ``fp32``; ``autocast-bf16``, ``autocast-f16`` (dynamic loss
-  scaler) and ``autocast-fp8`` (``policies/fp8.toml``); ``mpx-bf16``, the MPX recipe.
+  scaler) and ``autocast-fp8`` (``policies/fp8.toml``); ``autocast-bf16-sr``: amp bf16 with
+  the parameters and AdamW's moments stored in bfloat16, updated with stochastic rounding
+  (``autocast.to_half_params``, ``autocast.half_state``; docs/memory.md); ``mpx-bf16``, the
+  MPX recipe.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from benchmarks import _common as C
 from benchmarks.vit import SHAPES, ViT, ViTConfig, cross_entropy, synthetic_batch
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
-SYSTEMS = ("fp32", "autocast-bf16", "autocast-f16", "autocast-fp8", "mpx-bf16")
+SYSTEMS = ("fp32", "autocast-bf16", "autocast-f16", "autocast-fp8", "autocast-bf16-sr", "mpx-bf16")
 
 # ----------------------------------------------------------------------------- models
 
@@ -205,6 +208,20 @@ class System:
     step: Callable[..., Any]
     scaler: Any = None
     context: Callable[[], Any] = field(default=contextlib.nullcontext)
+    # how the system stores the parameters (float32 master: as they are) and the optimizer
+    # whose ``init`` makes its state (None: the one ``build_system`` was given)
+    store_params: Callable[[Any], Any] = lambda p: p
+    optimizer: Any = None
+
+    def init(self, params: Any, opt: Any) -> tuple[Any, Any]:
+        """The stored parameters and the optimizer state (arrays or shapes only)."""
+        stored = jax.eval_shape(self.store_params, params) if _shapes_only(params) else self.store_params(params)
+        init = (self.optimizer or opt).init
+        return stored, jax.eval_shape(init, stored) if _shapes_only(params) else init(stored)
+
+
+def _shapes_only(tree: Any) -> bool:
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(tree))
 
 
 def mpx_available() -> bool:
@@ -226,6 +243,21 @@ def build_system(name: str, task: Task, static: Any, opt: Any) -> System:
             return p, opt_state, scaler, loss, g
 
         return System(name, step)
+    if name == "autocast-bf16-sr":
+        half_opt = autocast.half_state(opt)
+        gfn = autocast.dynamic_scale_value_and_grad(autocast.amp(task.loss, compute_dtype=BF16))
+
+        def step(p, opt_state, scaler, batch):
+            model = eqx.combine(p, static)
+            scaler, (loss, grads) = gfn(model, batch, dynamic_scaler_state=scaler)
+            # the parameters' rounding key: derived from the state's, which is split every step
+            key = jax.random.fold_in(opt_state.key, 1)
+            model, opt_state = autocast.optimizer_update(
+                model, half_opt, opt_state, grads, scaler.grads_finite, key=key
+            )
+            return eqx.filter(model, eqx.is_array), opt_state, scaler, loss, eqx.filter(grads, eqx.is_array)
+
+        return System(name, step, autocast.NoOpScalerState(), store_params=autocast.to_half_params, optimizer=half_opt)
     if name.startswith("autocast"):
         dtype = {"autocast-bf16": BF16, "autocast-f16": F16, "autocast-fp8": BF16}[name]
         policy = autocast.load_policy("fp8") if name == "autocast-fp8" else None

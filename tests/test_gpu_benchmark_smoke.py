@@ -55,7 +55,7 @@ def test_every_model_and_system(smoke):
             assert r["median_step_s"] > 0 and r["compile_s"] > 0
             assert r["peak_bytes"] is None if "peak_bytes" in r else True
         assert res["fp32"]["grad_err_vs_fp32"] == 0.0
-        for system in ("autocast-bf16", "autocast-fp8"):
+        for system in ("autocast-bf16", "autocast-fp8", "autocast-bf16-sr"):
             assert 1e-4 < res[system]["grad_err_vs_fp32"] < 0.5, (model, system, res[system]["grad_err_vs_fp32"])
         # float8 is coarser than bfloat16: the fp8 step really ran in float8
         assert res["autocast-fp8"]["grad_err_vs_fp32"] > res["autocast-bf16"]["grad_err_vs_fp32"]
@@ -66,6 +66,31 @@ def test_every_model_and_system(smoke):
     assert "| autocast-fp8 |" in md and "n/a" in md
     if not gpu.mpx_available():
         assert "mpx-bf16: skipped" in md
+
+
+def test_bf16_sr_system_stores_half_parameters_and_moments():
+    """``autocast-bf16-sr``: the step takes and returns bfloat16 parameters and a half_state
+    whose moments are bfloat16 (the float32 master copy is gone), and the parameters move."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import autocast
+
+    task = gpu.SMOKE_MODELS["gpt2-small"]()
+    params, static = eqx.partition(task.model, eqx.is_array)
+    opt = optax.adamw(1e-2)
+    system = gpu.build_system("autocast-bf16-sr", task, static, opt)
+    stored, opt_state = system.init(params, opt)
+    assert isinstance(opt_state, autocast.HalfOptState)
+    floats = lambda t: [x for x in jax.tree_util.tree_leaves(t) if jnp.issubdtype(x.dtype, jnp.floating)]  # noqa: E731
+    assert {x.dtype for x in floats(stored)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in floats(opt_state.inner) if x.ndim} == {jnp.dtype(jnp.bfloat16)}
+    new, opt_state2, _, loss, _ = jax.jit(system.step)(stored, opt_state, system.scaler, task.batch)
+    assert {x.dtype for x in floats(new)} == {jnp.dtype(jnp.bfloat16)} and bool(jnp.isfinite(loss))
+    assert any(bool(jnp.any(a != b)) for a, b in zip(floats(new), floats(stored)))
+    assert not jnp.array_equal(jax.random.key_data(opt_state2.key), jax.random.key_data(opt_state.key))
 
 
 def test_bad_arguments_are_named():
