@@ -245,7 +245,10 @@ def build_system(name: str, task: Task, static: Any, opt: Any) -> System:
         return System(name, step)
     if name == "autocast-bf16-sr":
         half_opt = autocast.half_state(opt)
-        gfn = autocast.dynamic_scale_value_and_grad(autocast.amp(task.loss, compute_dtype=BF16))
+        # the loss widens the stored model first, as docs/memory.md shows (Equinox's
+        # convolutions need equal dtypes); amp runs its matmuls in bfloat16 again
+        loss_fn = lambda model, batch: task.loss(autocast.to_float32_params(model), batch)  # noqa: E731
+        gfn = autocast.dynamic_scale_value_and_grad(autocast.amp(loss_fn, compute_dtype=BF16))
 
         def step(p, opt_state, scaler, batch):
             model = eqx.combine(p, static)

@@ -5,7 +5,8 @@
 # (tests/real_models/, docs/real-models.md). Two virtualenvs, created once and re-installed
 # only when pyproject.toml changes; pip's own wheel cache (~/.cache/pip) makes a fresh clone's
 # set-up an install without downloads:
-#   .venv-corpus     gemma, keras-hub, diffrax, haiku, jraph (and Equinox, Flax)
+#   .venv-corpus     gemma, keras-hub (installed --no-deps: see pyproject.toml), diffrax,
+#                    haiku, jraph (and Equinox, Flax)
 #   .venv-corpus-rg  recurrentgemma: it pins typeguard<3, gemma 4.0.1's kauldron needs
 #                    typeguard>=4.4.1, and recurrentgemma's jaxtyping annotations do not
 #                    import under typeguard 4, so the two cannot share an environment.
@@ -27,6 +28,11 @@ status=0
 ensure_venv .venv-corpus-rg "$py" test,corpus-recurrentgemma
 rg_python="$VENV_PYTHON"
 ensure_venv .venv-corpus "$py" test,corpus
+# keras-hub without its tensorflow-text dependency (pyproject.toml's `corpus` note)
+KERAS_HUB=0.32.0
+if ! "$VENV_PYTHON" -c "import importlib.metadata as m, sys; sys.exit(m.version('keras-hub') != '$KERAS_HUB')" 2>/dev/null; then
+  "$VENV_PYTHON" -m pip install --quiet --no-deps "keras-hub==$KERAS_HUB"
+fi
 if [ "${AUTOCAST_CORPUS_SETUP_ONLY:-}" = 1 ]; then  # .ci/run sets the venvs up beside the other lanes
   echo "corpus: virtualenvs ready in $SECONDS s"
   exit 0
