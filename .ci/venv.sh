@@ -23,7 +23,31 @@ find_python() {
   return 1
 }
 
+# find_uv ROOT: the uv executable: from PATH, else installed once with pip into ROOT/.venv-uv.
+# uv resolves and downloads in parallel: the corpus virtualenv (about 150 packages) takes
+# about a minute from an empty cache where pip, one request at a time through a slow
+# index, took over 20 minutes. Fails (and pip does the work) if uv cannot be installed;
+# AUTOCAST_NO_UV=1 forces pip.
+find_uv() {
+  local root="$1" py
+  [ "${AUTOCAST_NO_UV:-}" = 1 ] && return 1
+  if command -v uv >/dev/null 2>&1; then
+    command -v uv
+    return 0
+  fi
+  if [ ! -x "$root/.venv-uv/bin/uv" ]; then
+    py="$(find_python 3.13 || find_python 3.12 || find_python 3.11 || command -v python3)" || return 1
+    if ! { "$py" -m venv "$root/.venv-uv" && "$root/.venv-uv/bin/python" -m pip install --quiet "uv>=0.5,<1"; } >&2; then
+      rm -rf "$root/.venv-uv"
+      echo "uv could not be installed: pip makes the virtualenvs" >&2
+      return 1
+    fi
+  fi
+  echo "$root/.venv-uv/bin/uv"
+}
+
 # ensure_venv DIR PYTHON EXTRAS [PIP_SPECS...]: sets VENV_PYTHON and PROJECT_ROOT.
+# With uv (find_uv) the virtualenv is seeded with pip too, for what calls `python -m pip`.
 ensure_venv() {
   local dir="$1" python="$2" extras="$3"
   shift 3
@@ -33,16 +57,25 @@ ensure_venv() {
     echo "jax-autocast needs Python >= 3.11 (got '$python'; set PYTHON=/path/to/python3.11)" >&2
     return 1
   fi
-  local venv="$root/$dir"
+  local venv="$root/$dir" uv
+  uv="$(find_uv "$root")" || uv=""
   if [ ! -x "$venv/bin/python" ]; then
-    "$python" -m venv "$venv"
-    "$venv/bin/python" -m pip install --quiet --upgrade pip
+    if [ -n "$uv" ]; then
+      "$uv" venv --quiet --seed --python "$python" "$venv"
+    else
+      "$python" -m venv "$venv"
+      "$venv/bin/python" -m pip install --quiet --upgrade pip
+    fi
   fi
   local stamp="$venv/.installed-$extras"
   local want
   want="$( (cat "$root/pyproject.toml"; echo "$*") | "$venv/bin/python" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    "$venv/bin/python" -m pip install --quiet -e "$root[$extras]" "$@"
+    if [ -n "$uv" ]; then
+      "$uv" pip install --quiet --python "$venv/bin/python" -e "$root[$extras]" "$@"
+    else
+      "$venv/bin/python" -m pip install --quiet -e "$root[$extras]" "$@"
+    fi
     echo "$want" > "$stamp"
   fi
   VENV_PYTHON="$venv/bin/python"
