@@ -3,8 +3,8 @@
 # (pinned in pyproject.toml's `corpus` and `corpus-recurrentgemma` extras; Equinox and Flax
 # come with `test`), run under `autocast.amp` in float16 and bfloat16 against float32
 # (tests/real_models/, docs/real-models.md). Two virtualenvs, created once and re-installed
-# only when pyproject.toml changes; pip's own wheel cache (~/.cache/pip) makes a fresh clone's
-# set-up an install without downloads:
+# only when pyproject.toml changes, with uv (.ci/venv.sh: about a minute from an empty cache,
+# uv's cache makes it seconds after that):
 #   .venv-corpus     gemma, keras-hub (installed --no-deps: see pyproject.toml), diffrax,
 #                    haiku, jraph (and Equinox, Flax)
 #   .venv-corpus-rg  recurrentgemma: it pins typeguard<3, gemma 4.0.1's kauldron needs
