@@ -73,6 +73,7 @@ class Plan(NamedTuple):
     island: list[bool]
     narrow: set
     wide: dict
+    from_matmul: frozenset
 
 
 def plan(
@@ -103,13 +104,32 @@ def plan(
     value such a var holds (a norm's result) is rounded where it is made, so ``relu``
     between a BatchNorm and a convolution runs, and keeps its residual, in half precision.
 
+    The fifth result, ``from_matmul``: see :func:`_from_matmul`.
+
     The fourth result, ``wide``, maps the index of each matmul (convolution) whose results
     only float32 operations of this jaxpr read to the indices of those readers: it may store
     a float32 result (:mod:`autocast._wide`) instead of rounding it to half precision for
     nothing.
     """
     steps, island, wants32, narrow = _plan(ctx, jaxpr, scopes, out_float32, out_narrow)
-    return Plan(steps, island, narrow, _wide_matmuls(jaxpr, steps, wants32))
+    return Plan(steps, island, narrow, _wide_matmuls(jaxpr, steps, wants32), _from_matmul(jaxpr, steps))
+
+
+def _from_matmul(jaxpr: Any, steps: list) -> frozenset:
+    """The float vars that are a compute-rule equation's result (a matmul's, a
+    convolution's), or that data movement made from one: their cotangent is rounded to the
+    compute dtype where it enters the matmul's backward pass (see
+    :func:`autocast._interpreter._bias_into_float32`)."""
+    found: set = set()
+    for eqn, (kind, rule) in zip(jaxpr.eqns, steps):
+        if kind != RULE:
+            continue
+        floats = [v for v in eqn.invars if not isinstance(v, _compat.Literal) and _dtypes.is_castable(v.aval.dtype)]
+        if _rules.is_compute_rule(rule) or (
+            eqn.primitive.name in LAYOUT | {"convert_element_type"} and len(floats) == 1 and floats[0] in found
+        ):
+            found.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
+    return frozenset(found)
 
 
 def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> dict[int, set[int]]:
