@@ -102,17 +102,18 @@ _IMPLICIT_BROADCAST = frozenset(
 _LINEAR_BROADCAST = frozenset({"add", "sub", "select_n", "add_any"})
 
 
-# The vars of the jaxpr being evaluated that a matmul made (``_plan.Plan.from_matmul``).
-_FROM_MATMUL: contextvars.ContextVar[frozenset] = contextvars.ContextVar("from_matmul", default=frozenset())
+# The sums of a matmul result and a bias that feed an expensive elementwise function in the
+# jaxpr being evaluated (``_plan.Plan.bias_sums``).
+_BIAS_SUMS: contextvars.ContextVar[frozenset] = contextvars.ContextVar("bias_sums", default=frozenset())
 
 
 @contextlib.contextmanager
-def _from_matmul(found: frozenset):
-    token = _FROM_MATMUL.set(found)
+def _bias_sums(found: frozenset):
+    token = _BIAS_SUMS.set(found)
     try:
         yield
     finally:
-        _FROM_MATMUL.reset(token)
+        _BIAS_SUMS.reset(token)
 
 
 class Context:
@@ -215,10 +216,10 @@ def eval_jaxpr(
 
     if ctx.out_narrow is not None:  # meant for the handler that called us, not nested calls
         ctx = ctx.narrowing(None)
-    plan, island, narrow, wide, from_matmul = _plan.plan(
+    plan, island, narrow, wide, bias_sums = _plan.plan(
         ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars), out_narrow
     )
-    with _dtypes.memoised_casts(), _from_matmul(from_matmul):
+    with _dtypes.memoised_casts(), _bias_sums(bias_sums):
         _eval_eqns(ctx, jaxpr, plan, island, narrow, wide if ctx.widen else {}, env, read, scopes)
     results = [read(v) for v in jaxpr.outvars]
     return [x for x, _ in results], [f for _, f in results]
@@ -863,21 +864,12 @@ def _bind_broadcast_in_float32(
 def _bias_into_float32(
     eqn: Any, prim: Any, invals: Sequence[Any], new_invals: Sequence[Any], in_free: Sequence[Any], half: Any
 ) -> list[int]:
-    """For ``x @ w + bias32`` bound in float32 (the sum feeds float32 operations: GELU's
-    cube, a softmax): the broadcast float32 operands that are parameters or inputs (free,
-    traced), when the other operand is a matmul's result (or data movement of one), whose
-    cotangent is rounded to ``half`` anyway. See :func:`_bind_bias_summed_apart`."""
-    if prim.name not in ("add", "add_any") or len(eqn.outvars) != 1 or half not in _dtypes.HALF:
+    """For ``x @ w + bias32`` bound in float32 before an expensive elementwise function
+    (GELU's ``tanh``: the planner's ``bias_sums``): the broadcast float32 operands that are
+    parameters or inputs (free, traced). See :func:`_bind_bias_summed_apart`."""
+    if half not in _dtypes.HALF or not eqn.outvars or eqn.outvars[0] not in _BIAS_SUMS.get():
         return []
     if any(_dtype_or_none(x) != _dtypes.FLOAT32 for x in new_invals):
-        return []
-    made = _FROM_MATMUL.get()
-    out_shape = tuple(eqn.outvars[0].aval.shape)
-    if not any(
-        not f and v in made and tuple(np.shape(x)) == out_shape
-        for v, x, f in zip(eqn.invars, invals, in_free)
-        if not isinstance(v, _compat.Literal)
-    ):
         return []
     return [i for i in _broadcast_candidates(eqn, prim, invals) if in_free[i] and in_free[i] != LITERAL]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from . import _compat, _dtypes, _registry, _rules, _wide
+from . import _compat, _dtypes, _registry, _rules, _walk, _wide
 from ._policy import AMP_STOP
 
 LAYOUT = frozenset(
@@ -73,7 +73,7 @@ class Plan(NamedTuple):
     island: list[bool]
     narrow: set
     wide: dict
-    from_matmul: frozenset
+    bias_sums: frozenset
 
 
 def plan(
@@ -104,7 +104,7 @@ def plan(
     value such a var holds (a norm's result) is rounded where it is made, so ``relu``
     between a BatchNorm and a convolution runs, and keeps its residual, in half precision.
 
-    The fifth result, ``from_matmul``: see :func:`_from_matmul`.
+    The fifth result, ``bias_sums``: see :func:`_bias_sums`.
 
     The fourth result, ``wide``, maps the index of each matmul (convolution) whose results
     only float32 operations of this jaxpr read to the indices of those readers: it may store
@@ -112,24 +112,78 @@ def plan(
     nothing.
     """
     steps, island, wants32, narrow = _plan(ctx, jaxpr, scopes, out_float32, out_narrow)
-    return Plan(steps, island, narrow, _wide_matmuls(jaxpr, steps, wants32), _from_matmul(jaxpr, steps))
+    return Plan(steps, island, narrow, _wide_matmuls(jaxpr, steps, wants32), _bias_sums(jaxpr, steps))
 
 
-def _from_matmul(jaxpr: Any, steps: list) -> frozenset:
-    """The float vars that are a compute-rule equation's result (a matmul's, a
-    convolution's), or that data movement made from one: their cotangent is rounded to the
-    compute dtype where it enters the matmul's backward pass (see
-    :func:`autocast._interpreter._bias_into_float32`)."""
-    found: set = set()
+# Elementwise primitives that XLA:GPU counts as expensive (it does not fuse them into a
+# reduction's kernel, where they would be computed again): transcendental functions.
+_EXPENSIVE = frozenset(
+    {
+        "tanh", "logistic", "erf", "erfc", "erf_inv", "exp", "exp2", "expm1", "log", "log1p",
+        "pow", "sin", "cos", "tan", "atan2", "asin", "acos", "atan", "sinh", "cosh", "asinh",
+        "acosh", "atanh", "lgamma", "digamma", "cbrt",
+    }
+)  # fmt: skip
+_REDUCTIONS = ("reduce_", "cum", "argmax", "argmin", "psum", "reduce_scatter")
+
+
+def _bias_sums(jaxpr: Any, steps: list) -> frozenset:
+    """The ``add`` equations' outputs that sum a matmul's result (or data movement of one)
+    with something else, where the sum feeds an expensive elementwise function (GELU's
+    ``tanh``, SiLU's ``logistic``) and, before the next matmul, no reduction. Such a sum,
+    run in float32 inside an island, gets its bias's gradient summed apart from the island's
+    backward kernel (:func:`autocast._interpreter._bias_into_float32`); elsewhere (a loss
+    head, a softmax) that would only round the bias's cotangent for nothing."""
+    made: set = set()
     for eqn, (kind, rule) in zip(jaxpr.eqns, steps):
         if kind != RULE:
             continue
         floats = [v for v in eqn.invars if not isinstance(v, _compat.Literal) and _dtypes.is_castable(v.aval.dtype)]
         if _rules.is_compute_rule(rule) or (
-            eqn.primitive.name in LAYOUT | {"convert_element_type"} and len(floats) == 1 and floats[0] in found
+            eqn.primitive.name in LAYOUT | {"convert_element_type"} and len(floats) == 1 and floats[0] in made
         ):
-            found.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
+            made.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
+    readers: dict[Any, list[int]] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                readers.setdefault(v, []).append(k)
+    found: set = set()
+    for eqn, (kind, _) in zip(jaxpr.eqns, steps):
+        if kind != RULE or eqn.primitive.name not in ("add", "add_any") or len(eqn.outvars) != 1:
+            continue
+        if not any(v in made for v in eqn.invars if not isinstance(v, _compat.Literal)):
+            continue
+        expensive, reduced, todo, seen = False, False, [eqn.outvars[0]], set()
+        while todo and not reduced:
+            v = todo.pop()
+            for k in readers.get(v, ()):
+                if k in seen:
+                    continue
+                seen.add(k)
+                reader, (rkind, rrule) = jaxpr.eqns[k], steps[k]
+                if rkind == RULE and _rules.is_compute_rule(rrule):
+                    continue  # the next matmul: its own backward pass
+                if rkind == RULE:
+                    names = [reader.primitive.name]
+                else:  # a call (GELU under jit): what its bodies compute
+                    names = [e.primitive.name for body in _walk.bodies(reader) for e in _all_eqns(body)]
+                expensive = expensive or any(n in _EXPENSIVE for n in names)
+                reduced = any(n.startswith(_REDUCTIONS) for n in names)
+                todo.extend(reader.outvars)
+        if expensive and not reduced:
+            found.add(eqn.outvars[0])
     return frozenset(found)
+
+
+def _all_eqns(jaxpr_like: Any) -> list[Any]:
+    open_, _ = _compat.open_and_consts(jaxpr_like)
+    out = []
+    for eqn in open_.eqns:
+        out.append(eqn)
+        for body in _walk.bodies(eqn):
+            out.extend(_all_eqns(body))
+    return out
 
 
 def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> dict[int, set[int]]:

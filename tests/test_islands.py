@@ -377,7 +377,8 @@ def test_bias_gradient_is_summed_from_the_half_cotangent_apart_from_the_island(d
     barriers = of_kind(jaxpr, "optimization_barrier")
     rounded = sorted((str(v.aval.dtype), v.aval.shape) for e in barriers for v in e.invars)
     half = np.dtype(dtype).name
-    assert rounded == [(half, (512, 64)), (half, (512, 256))], rounded  # b2's (the loss head's) and b1's
+    # b1's, not b2's: the loss head has no expensive function (rounding would gain nothing)
+    assert rounded == [(half, (512, 256))], rounded
     g = jax.jit(jax.grad(f))(p, x)
     g32 = jax.grad(_gelu_mlp)(p, x)
     err = _tree_rel(g, g32)
