@@ -271,34 +271,89 @@ def _plan(
             steps[i] = (HIGHER, (*rule, [v in narrow for v in eqn.outvars]))
 
     # Forward again: which equations compute in float32 (rematerialisation islands).
-    island = [False] * len(steps)
-    if ctx.remat:
-        f32: set = set()
-        for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, steps)):
-            if eqn.effects or kind == STOP:  # callbacks and other effects cannot be rematerialised
-                continue
-            ins = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
-            outs32 = any(v.aval.dtype == _dtypes.FLOAT32 for v in eqn.outvars)
-            if kind == HIGHER:
-                # a call fed by the island (relu after a norm) joins it: its own residuals
-                # (relu's zeros_like, a float32 activation) are recomputed too; so does a
-                # call that computes in float32 itself (softplus's custom JVP rule)
-                eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
-                joins = (any(v in f32 for v in ins) and _registry.narrow_body(eqn) is not None) or (
-                    _registry.computes_in_float32(ctx, eqn, eqn_scopes, rule[1])
-                )
-            else:
-                joins = (
-                    rule is _rules.use_float32_precision
-                    or (
-                        rule in (_rules.use_input_precision, _rules.use_widest_precision) and any(v in f32 for v in ins)
-                    )
-                    or (rule is _rules.use_original_precision and outs32)
-                )
-            if joins:
-                island[i] = True
-                f32.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype) and v not in narrow)
+    island, alone = _islands(ctx, jaxpr, steps, scopes, narrow)
+    if alone:
+        island, _ = _islands(ctx, jaxpr, steps, scopes, narrow, frozenset(alone))
     return steps, island, wants32, narrow
+
+
+def _islands(
+    ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], narrow: set, alone: frozenset = frozenset()
+) -> tuple[list[bool], list[int]]:
+    """Which equations are part of a float32 island; and the float32-only ``jit`` calls
+    (``_higher_order._float32_only_call``) that joined an island by themselves but share no
+    operand with it: they are left out (``alone``) when the planner asks again. ``jnp.var``'s
+    ``_var`` reads the activation that the layer norm's mean and normalisation read: it
+    joins. ``logsumexp`` in a cross-entropy reads the logits, which no other equation of
+    the loss's island reads: it stays on its own (as part of the loss's island it made
+    XLA:GPU keep another logits-sized buffer at GPT-2's peak)."""
+    island = [False] * len(steps)
+    by_itself: list[int] = []
+    if not ctx.remat:
+        return island, by_itself
+    f32: set = set()
+    for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, steps)):
+        if eqn.effects or kind == STOP:  # callbacks and other effects cannot be rematerialised
+            continue
+        ins = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
+        outs32 = any(v.aval.dtype == _dtypes.FLOAT32 for v in eqn.outvars)
+        if kind == HIGHER:
+            # a call fed by the island (relu after a norm) joins it: its own residuals
+            # (relu's zeros_like, a float32 activation) are recomputed too; so does a
+            # call that computes in float32 itself (softplus's custom JVP rule)
+            eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
+            fed = any(v in f32 for v in ins) and _registry.narrow_body(eqn) is not None
+            own = i not in alone and _registry.computes_in_float32(ctx, eqn, eqn_scopes, rule[1])
+            joins = fed or own
+            if own and not fed and eqn.primitive in (_compat.jit_p, _compat.closed_call_p):
+                by_itself.append(i)
+        else:
+            joins = (
+                rule is _rules.use_float32_precision
+                or (rule in (_rules.use_input_precision, _rules.use_widest_precision) and any(v in f32 for v in ins))
+                or (rule is _rules.use_original_precision and outs32)
+            )
+        if joins:
+            island[i] = True
+            f32.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype) and v not in narrow)
+    read_by_island: dict[Any, set[int]] = {}
+    for j, eqn in enumerate(jaxpr.eqns):
+        if island[j]:
+            for v in eqn.invars:
+                if not isinstance(v, _compat.Literal):
+                    read_by_island.setdefault(v, set()).add(j)
+    shares = lambda i: any(  # noqa: E731
+        read_by_island.get(v, set()) - {i}
+        for v in jaxpr.eqns[i].invars
+        if not isinstance(v, _compat.Literal) and _dtypes.is_castable(v.aval.dtype)
+    )
+    return island, [i for i in by_itself if not shares(i) or _widens(jaxpr, steps, island, i)]
+
+
+# A float32-only call stays out of an island whose result a matmul reads into an output this
+# many times larger than the call's input (an LM head's logits after the final layer norm).
+_WIDENING = 8
+
+
+def _widens(jaxpr: Any, steps: list, island: list[bool], i: int) -> bool:
+    """Whether the island around equation ``i`` is read by a compute-rule equation (a
+    matmul) whose float result is more than ``_WIDENING`` times the largest float operand
+    of equation ``i``. Measured, not derived: with GPT-2's final layer norm's ``_var`` in the
+    island under its tied LM head, XLA:GPU's peak at batch x4 rose by a logits-sized buffer
+    (16.7 -> 19.9 GiB); every layer norm inside the blocks (read by 3x and 4x wider matmuls)
+    gains from joining."""
+    a, b = i, i + 1
+    while a > 0 and island[a - 1]:
+        a -= 1
+    while b < len(island) and island[b]:
+        b += 1
+    made = {v for eqn in jaxpr.eqns[a:b] for v in eqn.outvars}
+    size = max((v.aval.size for v in jaxpr.eqns[i].invars if not isinstance(v, _compat.Literal)), default=0)
+    for eqn, (kind, rule) in zip(jaxpr.eqns[b:], steps[b:]):
+        if kind == RULE and _rules.is_compute_rule(rule) and any(v in made for v in eqn.invars):
+            if any(v.aval.size > _WIDENING * size for v in eqn.outvars):
+                return True
+    return False
 
 
 def _narrowed(ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], out_narrow: Sequence[bool] | None) -> set:
