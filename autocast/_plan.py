@@ -281,12 +281,11 @@ def _islands(
     ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], narrow: set, alone: frozenset = frozenset()
 ) -> tuple[list[bool], list[int]]:
     """Which equations are part of a float32 island; and the float32-only ``jit`` calls
-    (``_higher_order._float32_only_call``) that joined an island by themselves but share no
-    operand with it: they are left out (``alone``) when the planner asks again. ``jnp.var``'s
-    ``_var`` reads the activation that the layer norm's mean and normalisation read: it
-    joins. ``logsumexp`` in a cross-entropy reads the logits, which no other equation of
-    the loss's island reads: it stays on its own (as part of the loss's island it made
-    XLA:GPU keep another logits-sized buffer at GPT-2's peak)."""
+    (``_higher_order._float32_only_call``) that joined an island by themselves but are left
+    out (``alone``) when the planner asks again: those that share no operand with it (the
+    island would save nothing by recomputing them), and those whose island a much wider
+    matmul reads (:func:`_widens`). ``jnp.var``'s ``_var`` in a layer norm reads the
+    activation that the norm's mean and normalisation read: it joins."""
     island = [False] * len(steps)
     by_itself: list[int] = []
     if not ctx.remat:

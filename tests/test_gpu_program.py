@@ -202,13 +202,18 @@ def test_float32_step_has_float32_gemms():
     assert set(info["gemms"]) == {"f32 x f32"}, info["gemms"]
 
 
-@pytest.mark.xfail(
+_TN_ONLY = pytest.mark.xfail(
     strict=True,
     reason="XLA:GPU (jaxlib): cuBLASLt float8 GEMMs take TN operands only, and XLA's GEMM rewriter "
     "transposes the float8 operands in kernels of their own (wrapped_transpose fusions after the "
     "quantising convert) instead of folding the transpose into the quantising kernel",
 )
-@pytest.mark.parametrize("model", ["mlp", "vit", "block"])
+
+
+# the ViT: 16 transposes into GEMMs against float32's 17 since its layer norms' statistics are
+# computed in their islands (issue 28; 20 before): its transposes are still there, fewer
+# kernels around them leave the count below float32's
+@pytest.mark.parametrize("model", [pytest.param("mlp", marks=_TN_ONLY), "vit", pytest.param("block", marks=_TN_ONLY)])
 def test_fp8_cublas_operand_transposes(model):
     info, baseline = _compiled(model, "fp8", "cublas"), _compiled(model, "fp32", "cublas")
     assert info["transposes_into_gemms"] <= baseline["transposes_into_gemms"], (info, baseline)
