@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _dtypes, _plan, _registry
+from . import _compat, _dtypes, _plan, _registry, _rules
 from ._interpreter import LITERAL, Context, eval_jaxpr, original_dtypes, transform_jaxpr
 from ._registry import Handler, jaxpr_params, register_fallback, register_higher_order
 
@@ -108,8 +108,54 @@ def _body_pulls(param: str):
     return pulls
 
 
+def _float32_only_call(param: str):
+    """The island test of a call-like primitive (see :data:`autocast._registry.FLOAT32_CALLS`):
+    a ``jit`` whose body computes in float32 and holds no half-precision work (no matmul,
+    convolution or other compute-rule equation, no effect, at any depth), such as
+    ``jnp.var``'s ``_var`` or ``logsumexp``'s ``jit``, is part of the float32 island around
+    it. A layer norm's statistics are then computed inside the island that normalises with
+    them: the island's checkpoint keeps only the half-precision input, and XLA fuses the
+    statistics and the normalisation (one kernel forward) instead of storing the
+    statistics as the island's inputs."""
+
+    def test(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> bool:
+        if not ctx.remat or eqn.effects:
+            return False
+
+        def build():
+            body = eqn.params[param]
+            return _float32_only(ctx, body, scopes) and _body_computes_in_float32(ctx, body, scopes, out32)
+
+        return bool(ctx.cached(("call32only", scopes, tuple(map(bool, out32))), eqn, build))
+
+    return test
+
+
+def _float32_only(ctx: Context, jaxpr_like: Any, scopes: tuple) -> bool:
+    """Whether a body holds no compute-rule equation, no effect and no primitive other than
+    first-order ones and nested ``jit``s / ``closed_call``s of the same kind."""
+    open_, _ = _compat.open_and_consts(jaxpr_like)
+    for eqn in open_.eqns:
+        if eqn.effects:
+            return False
+        inner = scopes + _compat.scope_names(eqn.source_info.name_stack)
+        if eqn.primitive in (_compat.jit_p, _compat.closed_call_p):
+            body = eqn.params["jaxpr" if eqn.primitive is _compat.jit_p else "call_jaxpr"]
+            if not _float32_only(ctx, body, inner):
+                return False
+            continue
+        if _registry.handler_for(eqn) is not None and not ctx.lookup.explicit(eqn.primitive):
+            return False
+        rule = ctx.lookup.rule(eqn.primitive, inner)
+        if _rules.is_compute_rule(rule) or rule is _rules.use_original_precision:
+            return False
+    return True
+
+
 for _prim, _param in ((_compat.jit_p, "jaxpr"), (_compat.closed_call_p, "call_jaxpr")):
-    register_higher_order(_prim, pulls=_body_pulls(_param), body=_param)(_call_like(_param))
+    register_higher_order(_prim, pulls=_body_pulls(_param), body=_param, float32_call=_float32_only_call(_param))(
+        _call_like(_param)
+    )
 
 
 def checkpoint_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:

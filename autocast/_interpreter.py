@@ -57,11 +57,13 @@ Sharp edges:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
@@ -98,6 +100,20 @@ _IMPLICIT_BROADCAST = frozenset(
 )
 # ... of which these are linear in every float operand: autodiff saves none of them.
 _LINEAR_BROADCAST = frozenset({"add", "sub", "select_n", "add_any"})
+
+
+# The sums of a matmul result and a bias that feed an expensive elementwise function in the
+# jaxpr being evaluated (``_plan.Plan.bias_sums``).
+_BIAS_SUMS: contextvars.ContextVar[frozenset] = contextvars.ContextVar("bias_sums", default=frozenset())
+
+
+@contextlib.contextmanager
+def _bias_sums(found: frozenset):
+    token = _BIAS_SUMS.set(found)
+    try:
+        yield
+    finally:
+        _BIAS_SUMS.reset(token)
 
 
 class Context:
@@ -200,8 +216,10 @@ def eval_jaxpr(
 
     if ctx.out_narrow is not None:  # meant for the handler that called us, not nested calls
         ctx = ctx.narrowing(None)
-    plan, island, narrow, wide = _plan.plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars), out_narrow)
-    with _dtypes.memoised_casts():
+    plan, island, narrow, wide, bias_sums = _plan.plan(
+        ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars), out_narrow
+    )
+    with _dtypes.memoised_casts(), _bias_sums(bias_sums):
         _eval_eqns(ctx, jaxpr, plan, island, narrow, wide if ctx.widen else {}, env, read, scopes)
     results = [read(v) for v in jaxpr.outvars]
     return [x for x, _ in results], [f for _, f in results]
@@ -721,6 +739,8 @@ def _apply_rule(ctx: Context, eqn: Any, rule: Any, invals: list[Any], in_free: l
         pass
     elif (widen or f32_ct) and _wide.applies(prim, new_invals, params):
         outs = _wide.bind(prim, new_invals, params, wide=widen, arrived=invals, float32_cotangent=f32_ct)
+    elif ctx.remat and (summed := _bias_into_float32(eqn, prim, invals, new_invals, in_free, ctx.compute_dtype)):
+        outs = _bind_bias_summed_apart(eqn, prim, new_invals, params, summed, ctx.compute_dtype)
     else:
         outs = _bind_broadcast_in_float32(eqn, prim, invals, new_invals, params)
     floats = [f for f, d in zip(in_free, orig) if _dtypes.is_castable(d)]
@@ -839,6 +859,60 @@ def _bind_broadcast_in_float32(
     if prim.name in _LINEAR_BROADCAST:
         return bind(*ops)
     return _compat.checkpoint(bind)(*ops)
+
+
+def _bias_into_float32(
+    eqn: Any, prim: Any, invals: Sequence[Any], new_invals: Sequence[Any], in_free: Sequence[Any], half: Any
+) -> list[int]:
+    """For ``x @ w + bias32`` bound in float32 before an expensive elementwise function
+    (GELU's ``tanh``: the planner's ``bias_sums``): the broadcast float32 operands that are
+    parameters or inputs (free, traced). See :func:`_bind_bias_summed_apart`."""
+    if half not in _dtypes.HALF or not eqn.outvars or eqn.outvars[0] not in _BIAS_SUMS.get():
+        return []
+    if any(_dtype_or_none(x) != _dtypes.FLOAT32 for x in new_invals):
+        return []
+    return [i for i in _broadcast_candidates(eqn, prim, invals) if in_free[i] and in_free[i] != LITERAL]
+
+
+def _bind_bias_summed_apart(
+    eqn: Any, prim: Any, new_invals: list[Any], params: dict[str, Any], summed: Sequence[int], half: Any
+) -> list[Any]:
+    """Bind ``x16 + bias32`` in float32 with the bias broadcast first, its gradient (JAX's
+    transpose of the broadcast) summed in float32 from the cotangent rounded to the half
+    dtype behind an optimisation barrier (:func:`_rounded_cotangent`).
+
+    The values are those of the float32 sum. The bias gradient is the sum of the cotangent
+    that the half operand receives anyway (``x16``'s, rounded once, as the weight gradient
+    of the matmul that made ``x16`` reads it), in a kernel of its own. Summed from the
+    float32 cotangent instead, the reduction is fused into the kernel that computes the
+    island's backward pass, and XLA:GPU does not fuse an expensive float32 producer (GELU's
+    recomputed ``tanh``) into a reduction: the float32 ``tanh`` is written to memory and
+    read back (issue 28; ``tests/test_islands.py``)."""
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    ops = list(new_invals)
+    for i in summed:
+        full = lax.broadcast_in_dim(ops[i], out_shape, tuple(range(len(out_shape))) if np.ndim(ops[i]) else ())
+        ops[i] = _rounded_cotangent(full, np.dtype(half).name)
+    return _compat.bind(prim, ops, params)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _rounded_cotangent(x: Any, half: str) -> Any:
+    """The identity, whose cotangent is rounded to ``half`` (and converted back) behind an
+    optimisation barrier: XLA cannot fuse what reads it with what made it."""
+    return x
+
+
+def _rounded_cotangent_fwd(x: Any, half: str) -> tuple[Any, None]:
+    return x, None
+
+
+def _rounded_cotangent_bwd(half: str, _: None, ct: Any) -> tuple[Any]:
+    rounded = lax.optimization_barrier(lax.convert_element_type(ct, np.dtype(half)))
+    return (lax.convert_element_type(rounded, _dtypes.dtype_of(ct)),)
+
+
+_rounded_cotangent.defvjp(_rounded_cotangent_fwd, _rounded_cotangent_bwd)
 
 
 def _describe(x: Any) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from . import _compat, _dtypes, _registry, _rules, _wide
+from . import _compat, _dtypes, _registry, _rules, _walk, _wide
 from ._policy import AMP_STOP
 
 LAYOUT = frozenset(
@@ -73,6 +73,7 @@ class Plan(NamedTuple):
     island: list[bool]
     narrow: set
     wide: dict
+    bias_sums: frozenset
 
 
 def plan(
@@ -103,13 +104,86 @@ def plan(
     value such a var holds (a norm's result) is rounded where it is made, so ``relu``
     between a BatchNorm and a convolution runs, and keeps its residual, in half precision.
 
+    The fifth result, ``bias_sums``: see :func:`_bias_sums`.
+
     The fourth result, ``wide``, maps the index of each matmul (convolution) whose results
     only float32 operations of this jaxpr read to the indices of those readers: it may store
     a float32 result (:mod:`autocast._wide`) instead of rounding it to half precision for
     nothing.
     """
     steps, island, wants32, narrow = _plan(ctx, jaxpr, scopes, out_float32, out_narrow)
-    return Plan(steps, island, narrow, _wide_matmuls(jaxpr, steps, wants32))
+    return Plan(steps, island, narrow, _wide_matmuls(jaxpr, steps, wants32), _bias_sums(jaxpr, steps))
+
+
+# Elementwise primitives that XLA:GPU counts as expensive (it does not fuse them into a
+# reduction's kernel, where they would be computed again): transcendental functions.
+_EXPENSIVE = frozenset(
+    {
+        "tanh", "logistic", "erf", "erfc", "erf_inv", "exp", "exp2", "expm1", "log", "log1p",
+        "pow", "sin", "cos", "tan", "atan2", "asin", "acos", "atan", "sinh", "cosh", "asinh",
+        "acosh", "atanh", "lgamma", "digamma", "cbrt",
+    }
+)  # fmt: skip
+_REDUCTIONS = ("reduce_", "cum", "argmax", "argmin", "psum", "reduce_scatter")
+
+
+def _bias_sums(jaxpr: Any, steps: list) -> frozenset:
+    """The ``add`` equations' outputs that sum a matmul's result (or data movement of one)
+    with something else, where the sum feeds an expensive elementwise function (GELU's
+    ``tanh``, SiLU's ``logistic``) and, before the next matmul, no reduction. Such a sum,
+    run in float32 inside an island, gets its bias's gradient summed apart from the island's
+    backward kernel (:func:`autocast._interpreter._bias_into_float32`); elsewhere (a loss
+    head, a softmax) that would only round the bias's cotangent for nothing."""
+    made: set = set()
+    for eqn, (kind, rule) in zip(jaxpr.eqns, steps):
+        if kind != RULE:
+            continue
+        floats = [v for v in eqn.invars if not isinstance(v, _compat.Literal) and _dtypes.is_castable(v.aval.dtype)]
+        if _rules.is_compute_rule(rule) or (
+            eqn.primitive.name in LAYOUT | {"convert_element_type"} and len(floats) == 1 and floats[0] in made
+        ):
+            made.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
+    readers: dict[Any, list[int]] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                readers.setdefault(v, []).append(k)
+    found: set = set()
+    for eqn, (kind, _) in zip(jaxpr.eqns, steps):
+        if kind != RULE or eqn.primitive.name not in ("add", "add_any") or len(eqn.outvars) != 1:
+            continue
+        if not any(v in made for v in eqn.invars if not isinstance(v, _compat.Literal)):
+            continue
+        expensive, reduced, todo, seen = False, False, [eqn.outvars[0]], set()
+        while todo and not reduced:
+            v = todo.pop()
+            for k in readers.get(v, ()):
+                if k in seen:
+                    continue
+                seen.add(k)
+                reader, (rkind, rrule) = jaxpr.eqns[k], steps[k]
+                if rkind == RULE and _rules.is_compute_rule(rrule):
+                    continue  # the next matmul: its own backward pass
+                if rkind == RULE:
+                    names = [reader.primitive.name]
+                else:  # a call (GELU under jit): what its bodies compute
+                    names = [e.primitive.name for body in _walk.bodies(reader) for e in _all_eqns(body)]
+                expensive = expensive or any(n in _EXPENSIVE for n in names)
+                reduced = any(n.startswith(_REDUCTIONS) for n in names)
+                todo.extend(reader.outvars)
+        if expensive and not reduced:
+            found.add(eqn.outvars[0])
+    return frozenset(found)
+
+
+def _all_eqns(jaxpr_like: Any) -> list[Any]:
+    open_, _ = _compat.open_and_consts(jaxpr_like)
+    out = []
+    for eqn in open_.eqns:
+        out.append(eqn)
+        for body in _walk.bodies(eqn):
+            out.extend(_all_eqns(body))
+    return out
 
 
 def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> dict[int, set[int]]:
@@ -197,34 +271,88 @@ def _plan(
             steps[i] = (HIGHER, (*rule, [v in narrow for v in eqn.outvars]))
 
     # Forward again: which equations compute in float32 (rematerialisation islands).
-    island = [False] * len(steps)
-    if ctx.remat:
-        f32: set = set()
-        for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, steps)):
-            if eqn.effects or kind == STOP:  # callbacks and other effects cannot be rematerialised
-                continue
-            ins = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
-            outs32 = any(v.aval.dtype == _dtypes.FLOAT32 for v in eqn.outvars)
-            if kind == HIGHER:
-                # a call fed by the island (relu after a norm) joins it: its own residuals
-                # (relu's zeros_like, a float32 activation) are recomputed too; so does a
-                # call that computes in float32 itself (softplus's custom JVP rule)
-                eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
-                joins = (any(v in f32 for v in ins) and _registry.narrow_body(eqn) is not None) or (
-                    _registry.computes_in_float32(ctx, eqn, eqn_scopes, rule[1])
-                )
-            else:
-                joins = (
-                    rule is _rules.use_float32_precision
-                    or (
-                        rule in (_rules.use_input_precision, _rules.use_widest_precision) and any(v in f32 for v in ins)
-                    )
-                    or (rule is _rules.use_original_precision and outs32)
-                )
-            if joins:
-                island[i] = True
-                f32.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype) and v not in narrow)
+    island, alone = _islands(ctx, jaxpr, steps, scopes, narrow)
+    if alone:
+        island, _ = _islands(ctx, jaxpr, steps, scopes, narrow, frozenset(alone))
     return steps, island, wants32, narrow
+
+
+def _islands(
+    ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], narrow: set, alone: frozenset = frozenset()
+) -> tuple[list[bool], list[int]]:
+    """Which equations are part of a float32 island; and the float32-only ``jit`` calls
+    (``_higher_order._float32_only_call``) that joined an island by themselves but are left
+    out (``alone``) when the planner asks again: those that share no operand with it (the
+    island would save nothing by recomputing them), and those whose island a much wider
+    matmul reads (:func:`_widens`). ``jnp.var``'s ``_var`` in a layer norm reads the
+    activation that the norm's mean and normalisation read: it joins."""
+    island = [False] * len(steps)
+    by_itself: list[int] = []
+    if not ctx.remat:
+        return island, by_itself
+    f32: set = set()
+    for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, steps)):
+        if eqn.effects or kind == STOP:  # callbacks and other effects cannot be rematerialised
+            continue
+        ins = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
+        outs32 = any(v.aval.dtype == _dtypes.FLOAT32 for v in eqn.outvars)
+        if kind == HIGHER:
+            # a call fed by the island (relu after a norm) joins it: its own residuals
+            # (relu's zeros_like, a float32 activation) are recomputed too; so does a
+            # call that computes in float32 itself (softplus's custom JVP rule)
+            eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
+            fed = any(v in f32 for v in ins) and _registry.narrow_body(eqn) is not None
+            own = i not in alone and _registry.computes_in_float32(ctx, eqn, eqn_scopes, rule[1])
+            joins = fed or own
+            if own and not fed and eqn.primitive in (_compat.jit_p, _compat.closed_call_p):
+                by_itself.append(i)
+        else:
+            joins = (
+                rule is _rules.use_float32_precision
+                or (rule in (_rules.use_input_precision, _rules.use_widest_precision) and any(v in f32 for v in ins))
+                or (rule is _rules.use_original_precision and outs32)
+            )
+        if joins:
+            island[i] = True
+            f32.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype) and v not in narrow)
+    read_by_island: dict[Any, set[int]] = {}
+    for j, eqn in enumerate(jaxpr.eqns):
+        if island[j]:
+            for v in eqn.invars:
+                if not isinstance(v, _compat.Literal):
+                    read_by_island.setdefault(v, set()).add(j)
+    shares = lambda i: any(  # noqa: E731
+        read_by_island.get(v, set()) - {i}
+        for v in jaxpr.eqns[i].invars
+        if not isinstance(v, _compat.Literal) and _dtypes.is_castable(v.aval.dtype)
+    )
+    return island, [i for i in by_itself if not shares(i) or _widens(jaxpr, steps, island, i)]
+
+
+# A float32-only call stays out of an island whose result a matmul reads into an output this
+# many times larger than the call's input (an LM head's logits after the final layer norm).
+_WIDENING = 8
+
+
+def _widens(jaxpr: Any, steps: list, island: list[bool], i: int) -> bool:
+    """Whether the island around equation ``i`` is read by a compute-rule equation (a
+    matmul) whose float result is more than ``_WIDENING`` times the largest float operand
+    of equation ``i``. Measured, not derived: with GPT-2's final layer norm's ``_var`` in the
+    island under its tied LM head, XLA:GPU's peak at batch x4 rose by a logits-sized buffer
+    (16.7 -> 19.9 GiB); every layer norm inside the blocks (read by 3x and 4x wider matmuls)
+    gains from joining."""
+    a, b = i, i + 1
+    while a > 0 and island[a - 1]:
+        a -= 1
+    while b < len(island) and island[b]:
+        b += 1
+    made = {v for eqn in jaxpr.eqns[a:b] for v in eqn.outvars}
+    size = max((v.aval.size for v in jaxpr.eqns[i].invars if not isinstance(v, _compat.Literal)), default=0)
+    for eqn, (kind, rule) in zip(jaxpr.eqns[b:], steps[b:]):
+        if kind == RULE and _rules.is_compute_rule(rule) and any(v in made for v in eqn.invars):
+            if any(v.aval.size > _WIDENING * size for v in eqn.outvars):
+                return True
+    return False
 
 
 def _narrowed(ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], out_narrow: Sequence[bool] | None) -> set:

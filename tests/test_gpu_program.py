@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -201,13 +202,18 @@ def test_float32_step_has_float32_gemms():
     assert set(info["gemms"]) == {"f32 x f32"}, info["gemms"]
 
 
-@pytest.mark.xfail(
+_TN_ONLY = pytest.mark.xfail(
     strict=True,
     reason="XLA:GPU (jaxlib): cuBLASLt float8 GEMMs take TN operands only, and XLA's GEMM rewriter "
     "transposes the float8 operands in kernels of their own (wrapped_transpose fusions after the "
     "quantising convert) instead of folding the transpose into the quantising kernel",
 )
-@pytest.mark.parametrize("model", ["mlp", "vit", "block"])
+
+
+# the ViT: 16 transposes into GEMMs against float32's 17 since its layer norms' statistics are
+# computed in their islands (issue 28; 20 before): its transposes are still there, fewer
+# kernels around them leave the count below float32's
+@pytest.mark.parametrize("model", [pytest.param("mlp", marks=_TN_ONLY), "vit", pytest.param("block", marks=_TN_ONLY)])
 def test_fp8_cublas_operand_transposes(model):
     info, baseline = _compiled(model, "fp8", "cublas"), _compiled(model, "fp32", "cublas")
     assert info["transposes_into_gemms"] <= baseline["transposes_into_gemms"], (info, baseline)
@@ -262,3 +268,41 @@ def _check_roofline(key: str, roofline: dict) -> None:
     for field, value in now.items():
         limit = table[key][field] * (1 + ROOFLINE_SLACK)
         assert value <= limit, f"{key}: {field} {value:,} above the committed {table[key][field]:,} by more than 2 %"
+
+
+def _gelu_mlp_f32_results(monkeypatch=None) -> list[str]:
+    """The float32 activation-sized results of the kernels of a tanh-GELU MLP's bfloat16
+    gradient (384 tokens, 256 -> 512 -> 256, biases)."""
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {
+        "w1": jax.random.normal(k[0], (256, 512)) / 16,
+        "b1": jnp.zeros(512),
+        "w2": jax.random.normal(k[1], (512, 256)) / 23,
+        "b2": jnp.zeros(256),
+    }
+    x = jax.random.normal(k[2], (384, 256))
+
+    def loss(p, x):
+        h = jax.nn.gelu(x @ p["w1"] + p["b1"])
+        return jnp.mean((h @ p["w2"] + p["b2"]) ** 2)
+
+    step = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16)))
+    hlo = step.lower(*D.abstract((p, x), _sharding())).compile().as_text()
+    entry, comps = H.parse(hlo)
+    return [
+        ins.shape
+        for ins, _ in H.kernels(entry, comps)
+        for dt, dims in H.arrays(ins.shape)
+        if dt == "f32" and math.prod(dims) == 384 * 512
+    ]
+
+
+def test_gelu_mlp_step_writes_no_float32_activation(monkeypatch):
+    """Issue 28: GELU's float32 math stays in registers. The bias gradient is summed apart
+    from the island's backward kernel (``autocast._interpreter._bias_into_float32``), so
+    XLA:GPU fuses the recomputed ``tanh`` into that kernel: no kernel writes a float32 value
+    of the hidden activation's size. Before, the ``tanh`` was a kernel of its own with a
+    float32 result, read back by the next one."""
+    assert _gelu_mlp_f32_results() == []
+    monkeypatch.setattr(autocast._interpreter, "_bias_into_float32", lambda *a: [])
+    assert _gelu_mlp_f32_results() != []  # the control: the float32 tanh written out

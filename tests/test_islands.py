@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import activation_jvps, of_kind
+from helpers import activation_jvps, bodies, kind, label, of_kind, walk
 
 import autocast
 from autocast import _compat
@@ -292,3 +292,102 @@ def test_weight_products_and_remat_off_keep_their_results():
     assert len(hidden) == 1, hidden
     off = autocast.amp(_attention, compute_dtype=jnp.bfloat16, remat_float32=False)
     assert any(a.size == t * t for a, _ in _compat.saved_residuals(off, p, x))
+
+
+def _layernorm_var(p, x):
+    """A layer norm as Equinox writes it: the variance from ``jnp.var`` (a ``jit``, ``_var``)."""
+    h = x @ p["w"] + x
+    mean = jnp.mean(h, -1, keepdims=True)
+    var = jnp.maximum(jnp.var(h, -1, keepdims=True), 0.0)
+    h = (h - mean) * jax.lax.rsqrt(var + 1e-5) * p["g"] + p["b"]
+    return jnp.sum(h @ p["w3"])
+
+
+def _layernorm_params(n=256, d=64):
+    k = _keys(4)
+    p = {
+        "w": jax.random.normal(k[0], (d, d)) / np.sqrt(d),
+        "g": 1 + 0.1 * jax.random.normal(k[1], (d,)),
+        "b": 0.1 * jax.random.normal(k[2], (d,)),
+        "w3": jax.random.normal(k[3], (d, 4)) / np.sqrt(d),
+    }
+    return p, jax.random.normal(k[0], (n, d))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_a_float32_jit_joins_its_island(dtype, monkeypatch):
+    """``jnp.var``'s ``jit`` computes only in float32: it is part of the layer norm's island,
+    so the statistics are recomputed with the normalisation from the half-precision input,
+    and the island's checkpoint takes no float32 statistic as an input (XLA:GPU then fuses
+    the statistics and the normalisation into one kernel instead of storing the statistics
+    between kernels). Same function as before, up to rounding."""
+    p, x = _layernorm_params()
+    f = autocast.amp(_layernorm_var, compute_dtype=dtype)
+    jaxpr = jax.make_jaxpr(f)(p, x).jaxpr
+    top = [e for e in jaxpr.eqns if kind(e) == "jit"]
+    assert top == [], [label(e) for e in top]  # no jit outside an island
+    islands = [e for e in jaxpr.eqns if kind(e) == "checkpoint"]
+    assert islands and any(kind(e) == "jit" for i in islands for e, _ in walk(bodies(i)[0]))
+    stats_in = [v.aval for i in islands for v in i.invars if v.aval.dtype == jnp.float32 and v.aval.shape == (256, 1)]
+    assert stats_in == [], stats_in
+    v, g = jax.jit(jax.value_and_grad(f))(p, x)
+    v32, g32 = jax.value_and_grad(_layernorm_var)(p, x)
+    np.testing.assert_allclose(np.float32(v), np.float32(v32), rtol=2e-2, atol=1e-2)
+    assert _tree_rel(g, g32) < 2e-2
+    # before: the jit evaluated on its own, its statistic handed to the island
+    monkeypatch.delitem(autocast._registry.FLOAT32_CALLS, _compat.jit_p)
+    before = autocast.amp(_layernorm_var, compute_dtype=dtype)
+    outer = [e for e in jax.make_jaxpr(before)(p, x).jaxpr.eqns if kind(e) == "jit"]
+    assert outer, "the control should evaluate the jit outside the island"
+    v_b, g_b = jax.jit(jax.value_and_grad(before))(p, x)
+    np.testing.assert_allclose(np.float32(v), np.float32(v_b), rtol=1e-3, atol=1e-3)
+    assert _tree_rel(g, g_b) < 1e-2
+
+
+def _gelu_mlp(p, x):
+    """A tanh-GELU MLP with biases (``x @ w1 + b1`` is summed in float32: GELU's cube reads it)."""
+    h = jax.nn.gelu(x @ p["w1"] + p["b1"])
+    return jnp.sum((h @ p["w2"] + p["b2"]) ** 2)
+
+
+def _gelu_params(n=512, d=64, hidden=256):
+    k = _keys(5)
+    p = {
+        "w1": jax.random.normal(k[0], (d, hidden)) / np.sqrt(d),
+        "b1": 0.5 * jax.random.normal(k[1], (hidden,)),
+        "w2": jax.random.normal(k[2], (hidden, d)) / np.sqrt(hidden),
+        "b2": 0.1 * jax.random.normal(k[3], (d,)),
+    }
+    return p, jax.random.normal(k[4], (n, d))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_bias_gradient_is_summed_from_the_half_cotangent_apart_from_the_island(dtype, monkeypatch):
+    """``x @ w1 + b1`` feeds GELU's float32 island, so the sum runs in float32; the bias's
+    gradient is summed in float32 from the cotangent the matmul result gets anyway (rounded
+    to half once, as the weight gradient ``x.T @ dh`` reads it), behind an optimisation
+    barrier: a kernel of its own, so XLA:GPU can fuse the island's recomputed ``tanh`` into
+    its backward kernel instead of writing it to memory in float32 (the reduction it would
+    otherwise be fused with does not take expensive producers; see
+    ``tests/test_gpu_program.py``). Values unchanged; gradients as close to float32's as
+    before."""
+    p, x = _gelu_params()
+    f = autocast.amp(_gelu_mlp, compute_dtype=dtype)
+    jaxpr = jax.make_jaxpr(jax.grad(f))(p, x)
+    barriers = of_kind(jaxpr, "optimization_barrier")
+    rounded = sorted((str(v.aval.dtype), v.aval.shape) for e in barriers for v in e.invars)
+    half = np.dtype(dtype).name
+    # b1's, not b2's: the loss head has no expensive function (rounding would gain nothing)
+    assert rounded == [(half, (512, 256))], rounded
+    g = jax.jit(jax.grad(f))(p, x)
+    g32 = jax.grad(_gelu_mlp)(p, x)
+    err = _tree_rel(g, g32)
+    # before: the bias gradient summed from the float32 cotangent
+    monkeypatch.setattr(autocast._interpreter, "_bias_into_float32", lambda *a: [])
+    before = autocast.amp(_gelu_mlp, compute_dtype=dtype)
+    assert of_kind(jax.make_jaxpr(jax.grad(before))(p, x), "optimization_barrier") == []
+    g_before = jax.jit(jax.grad(before))(p, x)
+    err_before = _tree_rel(g_before, g32)
+    assert err <= 1.05 * err_before, (err, err_before)
+    assert _tree_rel(g["b1"], g32["b1"]) <= 1.5 * _tree_rel(g_before["b1"], g32["b1"]) + 1e-4
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(p, x)), np.asarray(jax.jit(before)(p, x)))
