@@ -167,23 +167,13 @@ def _bias_sums(jaxpr: Any, steps: list) -> frozenset:
                 if rkind == RULE:
                     names = [reader.primitive.name]
                 else:  # a call (GELU under jit): what its bodies compute
-                    names = [e.primitive.name for body in _walk.bodies(reader) for e in _all_eqns(body)]
+                    names = [e.primitive.name for body in _walk.bodies(reader) for e, *_ in _walk.walk(body)]
                 expensive = expensive or any(n in _EXPENSIVE for n in names)
                 reduced = any(n.startswith(_REDUCTIONS) for n in names)
                 todo.extend(reader.outvars)
         if expensive and not reduced:
             found.add(eqn.outvars[0])
     return frozenset(found)
-
-
-def _all_eqns(jaxpr_like: Any) -> list[Any]:
-    open_, _ = _compat.open_and_consts(jaxpr_like)
-    out = []
-    for eqn in open_.eqns:
-        out.append(eqn)
-        for body in _walk.bodies(eqn):
-            out.extend(_all_eqns(body))
-    return out
 
 
 def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> dict[int, set[int]]:
