@@ -22,11 +22,13 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) or _compat.is_tracer(x)
 
 
-def _partition(tree: Any) -> tuple[Any, tuple[bool, ...], list[Any], tuple[Any, ...]]:
+def _partition(
+    tree: Any, is_array: Callable[[Any], bool] = _is_array
+) -> tuple[Any, tuple[bool, ...], list[Any], tuple[Any, ...]]:
     """``tree``'s treedef, which leaves are arrays (traced), the array leaves and the other
     leaves (static, as in ``equinox.filter_jit``)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    mask = tuple(_is_array(x) for x in leaves)
+    mask = tuple(is_array(x) for x in leaves)
     return treedef, mask, [x for x, m in zip(leaves, mask) if m], tuple(x for x, m in zip(leaves, mask) if not m)
 
 

@@ -51,6 +51,9 @@ class Float8Matmul:
     scopes: tuple[str, ...]
     path: tuple[str, ...]
     source: str
+    reason: str = ""
+    """Why the float8 rule ran it in float8, or (``Explanation.float8_declined``) why not:
+    its GEMM sizes against ``min_dim``, its operands, or the roofline of its target GPU."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,7 @@ class _Record:
     eqn_id: int = 0
     float8: bool = False
     float8_kept: tuple[bool, ...] = ()  # per operand: its float8 copy kept for the backward
+    float8_why: str = ""  # what the float8 rule decided for this matmul, and why
     site: tuple[int, ...] = ()
     """ids of the enclosing higher-order equations: one call site of a body."""
 
@@ -86,6 +90,8 @@ class _Observer:
         # ids of the equations a float8 rule bound in float8 (``_fp8._Float8Rule.binder``)
         # id(eqn) -> per operand, whether the backward pass quantizes it again (see _fp8)
         self.float8_eqns: dict[int, tuple[bool, ...]] = {}
+        # id(eqn) -> the float8 rule's reason for binding it in float8 or not
+        self.float8_why: dict[int, str] = {}
         # off once the program is transformed: rules JAX traces later (``jax.vjp`` below)
         # run in copies of the context that still hold this observer
         self.active = True
@@ -135,6 +141,9 @@ class _Observer:
         if island is not None:
             why += "; island, recomputed" if island[1] else "; island"
         float8 = id(eqn) in self.float8_eqns
+        float8_why = self.float8_why.get(id(eqn), "")
+        if float8_why and not float8:
+            why += "; not float8"
         if float8:
             why += "; float8"
             bound = [jax.ShapeDtypeStruct(np.shape(x), _fp8.E4M3) for x in bound]
@@ -155,6 +164,7 @@ class _Observer:
                 eqn_id=id(eqn),
                 float8=float8,
                 float8_kept=tuple(not r for r in self.float8_eqns.get(id(eqn), ())),
+                float8_why=float8_why,
                 site=tuple(id(e) for e in self.stack),
             )
         )
@@ -244,10 +254,21 @@ def _saved(fun: Callable, args: list[Any]) -> dict[str, int] | None:
     return out
 
 
+def _as_dict(m: Any) -> dict[str, Any]:
+    """A matmul dataclass as JSON: its tuples as lists."""
+    return {
+        **dataclasses.asdict(m),
+        "shape": [list(s) for s in m.shape],
+        "scopes": list(m.scopes),
+        "path": list(m.path),
+    }
+
+
 class Explanation:
     """What ``amp`` does to a function: see :func:`autocast.explain`.
 
     Attributes: ``rows`` (one per group of equations), ``totals``, ``float32_matmuls``,
+    ``float8_matmuls`` and ``float8_declined`` (the float8 rule's decisions, with reasons),
     ``compute_dtype``. ``print(explanation)`` shows a table (``rich`` when installed).
 
     Example::
@@ -298,38 +319,31 @@ class Explanation:
                 r.scopes,
                 r.path,
                 r.source,
+                r.float8_why,
             )
             for r in records
             if r.float8
         ]
         """Every matmul that runs as a scaled float8 product, with the residual bytes it saves."""
+        self.float8_declined: list[Float8Matmul] = [
+            Float8Matmul(r.shapes, r.mult, 0, r.scopes, r.path, r.source, r.float8_why)
+            for r in records
+            if r.float8_why and not r.float8
+        ]
+        """Every matmul a float8 rule was given and left in the compute dtype, with its reason."""
 
     # --- output ------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict: ``compute_dtype``, ``rows``, ``totals``, ``float32_matmuls``."""
+        """A JSON-serialisable dict: ``compute_dtype``, ``rows``, ``totals``, ``float8_matmuls``,
+        ``float8_declined``, ``float32_matmuls``."""
         return {
             "compute_dtype": self.compute_dtype,
             "rows": [dict(r) for r in self.rows],
             "totals": self.totals,
-            "float8_matmuls": [
-                {
-                    **dataclasses.asdict(m),
-                    "shape": [list(s) for s in m.shape],
-                    "scopes": list(m.scopes),
-                    "path": list(m.path),
-                }
-                for m in self.float8_matmuls
-            ],
-            "float32_matmuls": [
-                {
-                    **dataclasses.asdict(m),
-                    "shape": [list(s) for s in m.shape],
-                    "scopes": list(m.scopes),
-                    "path": list(m.path),
-                }
-                for m in self.float32_matmuls
-            ],
+            "float8_matmuls": [_as_dict(m) for m in self.float8_matmuls],
+            "float8_declined": [_as_dict(m) for m in self.float8_declined],
+            "float32_matmuls": [_as_dict(m) for m in self.float32_matmuls],
         }
 
     _COLUMNS = ("scope", "nesting", "primitive", "count", "operands", "result", "rule", "why")
@@ -377,7 +391,14 @@ class Explanation:
             )
             for f8 in self.float8_matmuls:
                 times = f" x{f8.count}" if f8.count > 1 else ""
-                lines.append(f"  dot_general {' x '.join(map(str, f8.shape))}{times} at {f8.source}")
+                lines.append(f"  dot_general {' x '.join(map(str, f8.shape))}{times} at {f8.source}: {f8.reason}")
+        if self.float8_declined:
+            lines.append(
+                f"matmuls the float8 rule left in {self.compute_dtype}: {sum(m.count for m in self.float8_declined)}"
+            )
+            for f8 in self.float8_declined:
+                times = f" x{f8.count}" if f8.count > 1 else ""
+                lines.append(f"  dot_general {' x '.join(map(str, f8.shape))}{times} at {f8.source}: {f8.reason}")
         return "\n".join(lines)
 
     def to_markdown(self) -> str:
@@ -456,8 +477,12 @@ def _by_dtype(d: dict[str, int] | None, fmt: Callable[[int], str]) -> str:
 
 
 def _flat(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, list[Any]]:
-    """``fn`` as a function of its arguments' array leaves (other leaves are static)."""
-    treedef, mask, dynamic, static = _partition((args, kwargs))
+    """``fn`` as a function of its arguments' array leaves (other leaves are static); a
+    ``jax.ShapeDtypeStruct`` leaf stands for an array (``eqx.filter_eval_shape``'s output:
+    a model explained from its shapes, never made)."""
+    treedef, mask, dynamic, static = _partition(
+        (args, kwargs), lambda x: _is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+    )
 
     def flat_fn(*dyn):
         a, kw = _combine(treedef, mask, dyn, static)

@@ -30,7 +30,10 @@ the rows, the columns and the contracted size, batch dimensions aside) are all a
 compute dtype). With ``activations=False`` (category ``fp8``) at least one operand must be
 a free value (a parameter, an input or a constant, as the interpreter tracks them): a
 product of two computed activations (attention's scores and values) stays in the compute
-dtype unless a named scope maps it to ``fp8_any``.
+dtype unless a named scope maps it to ``fp8_any``. And with a ``target`` (default ``"h100"``)
+only where float8 pays: its train-step GEMMs and quantisation modeled faster than the
+compute dtype's GEMMs on that GPU (:mod:`autocast._fp8_cost`); small and memory-bound GEMMs
+stay in the compute dtype. ``autocast.explain`` says, per matmul, which way it went and why.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from . import _compat, _dtypes
+from . import _compat, _dtypes, _fp8_cost
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -296,17 +299,32 @@ def gemm_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_num
     return m, n, k
 
 
-def eligible(eqn: Any, arrived: Sequence[Any], free: Sequence[bool] | None, min_dim: int, activations: bool) -> bool:
-    """Whether the rule binds ``eqn`` in float8 (see the module docstring)."""
+def decide(
+    eqn: Any, arrived: Sequence[Any], free: Sequence[bool] | None, min_dim: int, activations: bool, target: Any
+) -> tuple[bool, str]:
+    """Whether the rule binds ``eqn`` in float8, and why (or why not), for ``explain``
+    (see the module docstring; ``target``: a :class:`autocast._fp8_cost.Target` or None)."""
     if eqn.primitive.name != "dot_general" or len(arrived) != 2:
-        return False
+        return False, "not a matmul"
     if any(_dtypes.dtype_of(x) not in _dtypes.CASTABLE for x in arrived):
-        return False
-    if min(gemm_sizes(np.shape(arrived[0]), np.shape(arrived[1]), eqn.params["dimension_numbers"])) < min_dim:
-        return False
+        return False, "an operand is not a float"
+    shapes = np.shape(arrived[0]), np.shape(arrived[1])
+    dn = eqn.params["dimension_numbers"]
+    m, n, k = gemm_sizes(*shapes, dn)
+    if min(m, n, k) < min_dim:
+        return False, f"GEMM M={m} N={n} K={k}: a size below min_dim={min_dim}"
     if eqn.params.get("out_sharding") is not None:
-        return False
-    return activations or free is None or any(bool(f) for f in free)
+        return False, "its result has an explicit sharding"
+    if not (activations or free is None or any(bool(f) for f in free)):
+        return False, "both operands are computed values (category fp8_any takes them)"
+    if target is None:
+        return True, f"GEMM M={m} N={n} K={k}, no cost check (target=None)"
+    batch = int(np.prod([shapes[0][i] for i in dn[1][0]], dtype=np.int64))
+    faster, times = _fp8_cost.pays(target, m, n, k, batch, 2)
+    return (
+        faster,
+        f"GEMM M={m} N={n} K={k}{f' x{batch}' if batch > 1 else ''}, modeled {'faster' if faster else 'slower'} in float8 ({times})",
+    )
 
 
 class _Float8Rule:
@@ -315,24 +333,39 @@ class _Float8Rule:
     compute_like = True
     casts_only = True  # a matmul it leaves to the interpreter gets a float32 weight gradient too
 
-    def __init__(self, min_dim: int = MIN_DIM, activations: bool = False):
+    def __init__(self, min_dim: int = MIN_DIM, activations: bool = False, target: str | None = "h100"):
         if not isinstance(min_dim, int) or isinstance(min_dim, bool) or min_dim < 1:
             raise ValueError(f"use_float8: min_dim={min_dim!r}; must be a positive integer.")
+        if target is not None and target not in _fp8_cost.TARGETS:
+            raise ValueError(
+                f"use_float8: target={target!r}; allowed: {', '.join(map(repr, _fp8_cost.TARGETS))} or None "
+                "(every matmul of at least min_dim in float8)."
+            )
         self.min_dim = min_dim
         self.activations = bool(activations)
-        self.__name__ = self.__qualname__ = f"use_float8(min_dim={min_dim}, activations={self.activations})"
+        self.target = target
+        self.__name__ = self.__qualname__ = (
+            f"use_float8(min_dim={min_dim}, activations={self.activations}, target={target!r})"
+        )
 
     def __call__(self, compute_dtype, original_dtypes, *invars, **params):
         _seen_free.set(_HOOKS["free_mask"].get())
         return _HOOKS["compute"](compute_dtype, original_dtypes, *invars, **params)
 
     def binder(self, ctx, eqn, arrived, cast, params):
-        free = _seen_free.get()
-        if not eligible(eqn, arrived, free, self.min_dim, self.activations):
+        if eqn.primitive.name != "dot_general":  # a named scope's other equations: as compute
             return None
+        free = _seen_free.get()
+        target = None if self.target is None else _fp8_cost.TARGETS[self.target]
+        ok, why = decide(eqn, arrived, free, self.min_dim, self.activations, target)
         pref = params.get("preferred_element_type")
         out_dtype = np.dtype(pref) if pref is not None else _dtypes.dtype_of(cast[0])
-        if out_dtype not in _dtypes.CASTABLE:
+        if ok and out_dtype not in _dtypes.CASTABLE:
+            ok, why = False, f"its result type {out_dtype} is not a float of the policy"
+        observer = getattr(ctx, "observer", None)
+        if observer is not None and hasattr(observer, "float8_why"):  # autocast.explain
+            observer.float8_why[id(eqn)] = why
+        if not ok:
             return None
         # a free operand (parameter, input) is kept anyway, and inside an autocast checkpoint
         # (an island) a computed one is recomputed: there the backward pass quantizes again
@@ -341,8 +374,7 @@ class _Float8Rule:
         # computed activation's gradient is rounded to the compute dtype, as in a compute-dtype
         # matmul, whose cast to the compute dtype it stands for
         grads = tuple(None if free is None or free[i] else out_dtype for i in range(2))
-        observer = getattr(ctx, "observer", None)
-        if observer is not None and hasattr(observer, "float8_eqns"):  # autocast.explain
+        if observer is not None and hasattr(observer, "float8_eqns"):
             observer.float8_eqns[id(eqn)] = requantize
         dn = params["dimension_numbers"]
         return [fp8_dot_general(arrived[0], arrived[1], dn, out_dtype, requantize, grads)]
@@ -351,13 +383,16 @@ class _Float8Rule:
         return self.__name__
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Float8Rule) and (self.min_dim, self.activations) == (other.min_dim, other.activations)
+        return isinstance(other, _Float8Rule) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((_Float8Rule, self.min_dim, self.activations))
+        return hash((_Float8Rule, *self._key()))
+
+    def _key(self) -> tuple:
+        return self.min_dim, self.activations, self.target
 
 
-def use_float8(min_dim: int = MIN_DIM, activations: bool = False) -> Any:
+def use_float8(min_dim: int = MIN_DIM, activations: bool = False, target: str | None = "h100") -> Any:
     """A policy rule that runs eligible ``dot_general`` s as scaled float8 products.
 
     Forward in ``float8_e4m3fn`` with per-tensor current scaling and float32 accumulation,
@@ -370,6 +405,12 @@ def use_float8(min_dim: int = MIN_DIM, activations: bool = False) -> Any:
       columns, contracted size; batch dimensions aside) are all at least this.
     - `activations`: also products of two computed values (attention's scores and values);
       by default one operand must be a parameter, an input or a constant.
+    - `target`: the GPU whose roofline decides per matmul whether float8 pays (``"h100"``,
+      ``"h200"``, ``"b200"``; see ``autocast._fp8_cost``): a matmul runs in float8 only
+      where its three train-step GEMMs plus the quantisation are modeled faster than in the
+      compute dtype, from the sizes ``amp`` traces (apply ``amp`` outside ``vmap``).
+      ``None``: every matmul of at least ``min_dim`` (to study float8's numerics on small
+      models, or on a CPU).
 
     **Returns:** the rule (for :func:`extend_policy` or a policy dict).
 
@@ -378,7 +419,7 @@ def use_float8(min_dim: int = MIN_DIM, activations: bool = False) -> Any:
         policy = autocast.extend_policy({"attention": autocast.use_float8(activations=True)},
                                         base=autocast.load_policy("fp8"))
     """
-    return _Float8Rule(min_dim, activations)
+    return _Float8Rule(min_dim, activations, target)
 
 
 CATEGORIES = {"fp8": use_float8(), "fp8_any": use_float8(activations=True)}

@@ -9,7 +9,8 @@ GPU target (:mod:`benchmarks.deviceless`); nothing here measures or compiles.
   1B-parameter GPT (16 blocks, width 2048, 16 heads, 2048 tokens) whose parameters and batch
   are shapes only (:attr:`Task.shapes_only`, never materialised unless a measured run asks);
 - systems (:data:`SYSTEMS`): ``fp32``; ``autocast-bf16``, ``autocast-f16`` (dynamic loss
-  scaler) and ``autocast-fp8`` (``policies/fp8.toml``); ``autocast-bf16-sr``: amp bf16 with
+  scaler) and ``autocast-fp8`` (``policies/fp8.toml``: float8 where the H100 roofline
+  says it pays; the smoke models, all too small for that, every matmul); ``autocast-bf16-sr``: amp bf16 with
   the parameters and AdamW's moments stored in bfloat16, updated with stochastic rounding
   (``autocast.to_half_params``, ``autocast.half_state``; docs/memory.md); ``mpx-bf16``, the
   MPX recipe.
@@ -21,6 +22,7 @@ import contextlib
 import functools
 import importlib.util
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,10 +116,15 @@ class Task:
     loss: Callable[..., Any]
     shapes_only: bool = False
     make: Callable[[], Task] | None = None
+    # the ``autocast-fp8`` system's ``use_float8(target=...)``: the GPU whose roofline decides
+    # per matmul whether float8 pays; None (the smoke sizes, far too small to pay): every matmul
+    fp8_target: str | None = "h100"
 
     def materialise(self) -> Task:
         """This task with real arrays (itself if it has them)."""
-        return self.make() if self.shapes_only and self.make is not None else self
+        if self.shapes_only and self.make is not None:
+            return dataclasses.replace(self.make(), fp8_target=self.fp8_target)
+        return self
 
 
 def is_leaf_array(x: Any) -> bool:
@@ -175,6 +182,14 @@ MODELS: dict[str, Callable[..., Task]] = {
 # rematerialisation recomputes it down to 71 GiB); the deviceless --target run compiles it from shapes
 DEFAULT_MODELS = ("vit-base", "vit-desktop", "gpt2-small")
 TARGET_MODELS = (*DEFAULT_MODELS, "gpt-1b")
+
+
+def _every_matmul_in_fp8(factory: Callable[..., Task]) -> Callable[..., Task]:
+    """A smoke model: tiny, so the fp8 system's cost check would keep every matmul in bf16;
+    off, its float8 path runs."""
+    return lambda **kw: dataclasses.replace(factory(**kw), fp8_target=None)
+
+
 SMOKE_MODELS: dict[str, Callable[..., Task]] = {
     "vit-base": lambda shapes_only=False: _vit_task(
         "vit-base",
@@ -195,6 +210,7 @@ SMOKE_MODELS: dict[str, Callable[..., Task]] = {
         "gpt-1b", GPTConfig(vocab=64, seq=16, width=32, depth=2, heads=2), 2, shapes_only=True
     ),
 }
+SMOKE_MODELS = {name: _every_matmul_in_fp8(factory) for name, factory in SMOKE_MODELS.items()}
 
 # ----------------------------------------------------------------------------- systems
 
@@ -263,7 +279,10 @@ def build_system(name: str, task: Task, static: Any, opt: Any) -> System:
         return System(name, step, autocast.NoOpScalerState(), store_params=autocast.to_half_params, optimizer=half_opt)
     if name.startswith("autocast"):
         dtype = {"autocast-bf16": BF16, "autocast-f16": F16, "autocast-fp8": BF16}[name]
-        policy = autocast.load_policy("fp8") if name == "autocast-fp8" else None
+        policy = None
+        if name == "autocast-fp8":  # the shipped float8 policy, its cost check for the task's GPU
+            rule = autocast.use_float8(target=task.fp8_target)
+            policy = autocast.extend_policy({jax.lax.dot_general_p: rule}, base=autocast.load_policy("fp8"))
         amp_loss = autocast.amp(task.loss, compute_dtype=dtype, amp_policy=policy)
         gfn = autocast.dynamic_scale_value_and_grad(amp_loss)
 

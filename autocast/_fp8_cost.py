@@ -1,0 +1,84 @@
+"""Whether a float8 matmul pays: a roofline of one ``dot_general``'s training step on a GPU.
+
+A matmul ``x @ w`` of GEMM sizes M, N, K costs three GEMMs of ``2·M·N·K`` FLOPs in a train
+step (the forward product and the two gradient products). Each GEMM takes
+``max(HBM bytes / bandwidth, FLOPs / dense peak) + launch``, reading its operands and
+writing its result in the compute dtype (float8 operands: one byte). In float8 the GEMMs run
+at the float8 peak but the three tensors they read (``x``, ``w`` and the cotangent) are
+quantised first, each of its elements costing ``QUANT_BYTES_PER_ELEMENT`` times the compute
+dtype's size in HBM traffic (the amax reduction's read, the quantising kernel's read and
+float8 writes of the two layouts the GEMMs read) and ``QUANT_LAUNCHES`` more kernels per
+matmul. A matmul runs in float8 only where that is the faster of the two.
+
+The two quantisation constants are calibrated on the program XLA:GPU compiles for ViT-Base's
+train step (``benchmarks/results/gpu-target-h100-2026-11-26.md``: the float8 policy without
+this filter added 3.3 ms of non-GEMM time, about 3.2 bytes of traffic per quantised element
+and 8.5 kernels per matmul beyond the bfloat16 step's); rounded up, so a GEMM at the break-even
+stays in the compute dtype. Like torchao's float8 auto-filter for PyTorch, it keeps the small
+and memory-bound GEMMs out of float8; unlike a size threshold it weighs the three sizes
+together, so a thin but long GEMM (a language model's head) can still pay.
+
+A model, not a measurement: no caches, no overlap, datasheet peaks. The rates per GPU are
+in :data:`TARGETS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A GPU's datasheet rates: HBM bandwidth (bytes/s), dense tensor-core peaks
+    (FLOP/s) for 16-bit floats and float8, and a kernel's launch cost (s)."""
+
+    name: str
+    hbm_bytes_per_s: float
+    half_flops: float
+    fp8_flops: float
+    launch_s: float = 2e-6
+
+
+TARGETS = {
+    # H100 SXM5 (HBM3): 3.35 TB/s; dense 989 TFLOP/s bf16/f16, 1979 float8
+    "h100": Target("H100 SXM", 3.35e12, 989e12, 1979e12),
+    # H200 SXM (HBM3e): the H100's tensor cores, 4.8 TB/s
+    "h200": Target("H200 SXM", 4.8e12, 989e12, 1979e12),
+    # B200 (HBM3e): 8 TB/s; dense 2.25 PFLOP/s bf16/f16, 4.5 float8
+    "b200": Target("B200", 8.0e12, 2250e12, 4500e12),
+}
+"""The GPUs :func:`autocast.use_float8` can decide for (its ``target``)."""
+
+QUANT_BYTES_PER_ELEMENT = 2.0
+"""HBM traffic per quantised element, in units of the compute dtype's size (calibrated:
+3.2 bytes measured for bfloat16, 4 assumed)."""
+QUANT_LAUNCHES = 9
+"""Kernels a float8 matmul adds to the train step (calibrated: 8.5)."""
+
+
+def _gemm_s(t: Target, m: int, n: int, k: int, b: int, operand_bytes: int, out_bytes: int, flops_per_s: float) -> float:
+    """The three GEMMs of a train step (y = x w, dx = g wT, dw = xT g), each reading two of
+    (x: MxK, w: KxN, g: MxN) and writing the third; ``b`` batch dimensions' product."""
+    x, w, g = b * m * k, b * k * n, b * m * n
+    flops = 2 * b * m * n * k
+    total = 0.0
+    for reads, writes in ((x + w, g), (g + w, x), (x + g, w)):
+        total += max((reads * operand_bytes + writes * out_bytes) / t.hbm_bytes_per_s, flops / flops_per_s)
+        total += t.launch_s
+    return total
+
+
+def step_times(target: Target, m: int, n: int, k: int, b: int = 1, half_bytes: int = 2) -> tuple[float, float]:
+    """Modeled seconds of one matmul's train-step GEMMs ``(compute dtype, float8)``, the
+    float8 figure with its quantisation; ``b``: the product of the batch dimensions."""
+    half = _gemm_s(target, m, n, k, b, half_bytes, half_bytes, target.half_flops)
+    fp8 = _gemm_s(target, m, n, k, b, 1, half_bytes, target.fp8_flops)
+    quant = QUANT_BYTES_PER_ELEMENT * half_bytes * b * (m * k + k * n + m * n) / target.hbm_bytes_per_s
+    return half, fp8 + quant + QUANT_LAUNCHES * target.launch_s
+
+
+def pays(target: Target, m: int, n: int, k: int, b: int = 1, half_bytes: int = 2) -> tuple[bool, str]:
+    """Whether float8 is modeled faster for a GEMM of sizes M, N, K (``b`` of them), and
+    the modeled times (for ``explain``)."""
+    half, fp8 = step_times(target, m, n, k, b, half_bytes)
+    return fp8 < half, f"{target.name}: {fp8 * 1e6:.1f} us in float8, {half * 1e6:.1f} us in the compute dtype"
