@@ -19,10 +19,10 @@ GPU target (:mod:`benchmarks.deviceless`); nothing here measures or compiles.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
