@@ -49,7 +49,7 @@ TARGETS = {
 }
 """The GPUs :func:`autocast.use_float8` can decide for (its ``target``)."""
 
-QUANT_BYTES_PER_ELEMENT = 2.0
+QUANT_BYTES_PER_ELEMENT = 3.2
 """HBM traffic per quantised element, in units of the compute dtype's size (calibrated:
 3.2 bytes measured for bfloat16, 4 assumed)."""
 QUANT_LAUNCHES = 9

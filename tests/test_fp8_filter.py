@@ -103,7 +103,8 @@ def test_explain_says_which_matmuls_run_in_float8_and_why_not():
     text = report._plain()
     assert "matmuls in float8: 2" in text and "matmuls the float8 rule left in bfloat16: 1" in text
     assert report.to_dict()["float8_declined"][0]["reason"] == declined.reason
-    assert any(r["why"].endswith("not float8") for r in report.rows)
+    assert any(r["why"].endswith("; not float8") and r["rule"] == "fp8" for r in report.rows)
+    assert any(r["why"].endswith("; float8") and r["rule"] == "fp8" for r in report.rows)
 
 
 def test_explain_gives_the_other_reasons():
