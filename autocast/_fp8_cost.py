@@ -54,6 +54,9 @@ QUANT_BYTES_PER_ELEMENT = 3.2
 3.2 bytes measured for bfloat16, 4 assumed)."""
 QUANT_LAUNCHES = 9
 """Kernels a float8 matmul adds to the train step (calibrated: 8.5)."""
+MARGIN = 0.95
+"""float8 must be modeled at least 5 % faster: within that, the model cannot tell (GPT-2
+small's LM head at batch 8: modeled 0.96 of bfloat16's time, compiled 0.7 % slower)."""
 
 
 def _gemm_s(t: Target, m: int, n: int, k: int, b: int, operand_bytes: int, out_bytes: int, flops_per_s: float) -> float:
@@ -81,4 +84,4 @@ def pays(target: Target, m: int, n: int, k: int, b: int = 1, half_bytes: int = 2
     """Whether float8 is modeled faster for a GEMM of sizes M, N, K (``b`` of them), and
     the modeled times (for ``explain``)."""
     half, fp8 = step_times(target, m, n, k, b, half_bytes)
-    return fp8 < half, f"{target.name}: {fp8 * 1e6:.1f} us in float8, {half * 1e6:.1f} us in the compute dtype"
+    return fp8 < MARGIN * half, f"{target.name}: {fp8 * 1e6:.1f} us in float8, {half * 1e6:.1f} us in the compute dtype"
