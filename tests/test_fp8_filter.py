@@ -89,17 +89,17 @@ def test_a_declined_matmul_is_the_compute_dtype_matmul():
 
 
 def test_explain_says_which_matmuls_run_in_float8_and_why_not():
-    p, x = _shapes(12608, 768, 3072)  # ViT-Base's MLP at batch 64 (197 tokens per image)
+    p, x = _shapes(16384, 2048, 8192)  # a 1B GPT's MLP, 8 x 2048 tokens
 
-    def loss(p, x):  # and an attention-sized projection, 768 x 768
-        return mlp_loss(p, x) + jnp.mean(x @ p["w2"][:768, :])
+    def loss(p, x):  # and ViT-Base's MLP at batch 64 (12,608 tokens, 768 -> 3072): too small
+        return mlp_loss(p, x) + jnp.mean(x[:12608, :768] @ p["w1"][:768, :3072])
 
     report = autocast.explain(loss, compute_dtype=jnp.bfloat16, amp_policy=FP8)(p, x)
-    assert [m.shape for m in report.float8_matmuls] == [((12608, 768), (768, 3072)), ((12608, 3072), (3072, 768))]
+    assert [m.shape for m in report.float8_matmuls] == [((16384, 2048), (2048, 8192)), ((16384, 8192), (8192, 2048))]
     assert all("modeled faster in float8" in m.reason and "H100" in m.reason for m in report.float8_matmuls)
     (declined,) = report.float8_declined
-    assert declined.shape == ((12608, 768), (768, 768))
-    assert "modeled slower in float8" in declined.reason and "M=12608 N=768 K=768" in declined.reason
+    assert declined.shape == ((12608, 768), (768, 3072))
+    assert "modeled slower in float8" in declined.reason and "M=12608 N=3072 K=768" in declined.reason
     text = report._plain()
     assert "matmuls in float8: 2" in text and "matmuls the float8 rule left in bfloat16: 1" in text
     assert report.to_dict()["float8_declined"][0]["reason"] == declined.reason
