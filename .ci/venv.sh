@@ -4,6 +4,16 @@
 # Usage: source .ci/venv.sh && ensure_venv .venv python3 demo [pip specs...]
 set -euo pipefail
 
+# fast_cpu_compiles: the test lanes compile thousands of small CPU programs and run each once
+# or twice, so LLVM's optimisation of the generated code costs more than it saves (the lanes
+# take about a fifth less time at level 0). XLA's HLO passes (fusion, layout: what amp's
+# tests look at) do not depend on it. AUTOCAST_XLA_OPT=default keeps XLA's own level.
+fast_cpu_compiles() {
+  if [ "${AUTOCAST_XLA_OPT:-0}" != default ] && [[ "${XLA_FLAGS:-}" != *xla_backend_optimization_level* ]]; then
+    export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_backend_optimization_level=${AUTOCAST_XLA_OPT:-0}"
+  fi
+}
+
 # find_python 3.13: an interpreter of that version: pythonX.Y on PATH, else pyenv's build.
 find_python() {
   local v="$1" c full
