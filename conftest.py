@@ -19,7 +19,8 @@ import os
 import re
 import textwrap
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # added to other flags
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from sybil import Lexeme, Region, Sybil  # noqa: E402

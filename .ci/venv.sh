@@ -4,6 +4,27 @@
 # Usage: source .ci/venv.sh && ensure_venv .venv python3 demo [pip specs...]
 set -euo pipefail
 
+# fast_cpu_compiles: the test lanes compile thousands of small CPU programs and run each once
+# or twice, so their time is mostly XLA's. LLVM's optimisation of the generated code costs
+# more than it saves (the lanes take about a fifth less time at level 0; XLA's HLO passes,
+# fusion and layout, what amp's tests look at, do not depend on it; AUTOCAST_XLA_OPT=default
+# keeps XLA's own level). And JAX's persistent compilation cache (.cache/jax-compilation,
+# every compile, keyed by program, options and jaxlib version): a later lane or run on the same
+# jaxlib (nextjax after newest, a local re-run) loads what an earlier one compiled.
+# AUTOCAST_JAX_CACHE=0 turns the cache off.
+fast_cpu_compiles() {
+  if [ "${AUTOCAST_XLA_OPT:-0}" != default ] && [[ "${XLA_FLAGS:-}" != *xla_backend_optimization_level* ]]; then
+    export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_backend_optimization_level=${AUTOCAST_XLA_OPT:-0}"
+  fi
+  if [ "${AUTOCAST_JAX_CACHE:-1}" != 0 ]; then
+    local root
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$root/.cache/jax-compilation}"
+    export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
+    export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="${JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES:-0}"
+  fi
+}
+
 # find_python 3.13: an interpreter of that version: pythonX.Y on PATH, else pyenv's build.
 find_python() {
   local v="$1" c full

@@ -23,6 +23,7 @@ if ! py="$(find_python 3.13)"; then
   echo "corpus: Python 3.13 not found; using $py" >&2
 fi
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" KERAS_BACKEND=jax AUTOCAST_CORPUS=1
+fast_cpu_compiles
 RG_FILE=tests/real_models/test_recurrentgemma.py
 status=0
 ensure_venv .venv-corpus-rg "$py" test,corpus-recurrentgemma

@@ -6,7 +6,8 @@
 # makes a re-download cheap), then runs the test files with it on PYTHONPATH (test_gpu_program.py:
 # the train steps' census, memory and roofline guard; test_gpu_roofline.py: the roofline model on
 # programs with hand-counted bytes and FLOPs).
-# Extra arguments go to pytest.
+# Two pytest workers (--dist loadgroup): the tests that read one model and GEMM mode share
+# its compiles (cached per process) on one worker. Extra arguments go to pytest.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../.ci/venv.sh"
 py="$(find_python 3.13 || echo "${PYTHON:-python3}")"
@@ -22,4 +23,4 @@ fi
 # JAX_PLATFORMS=cpu before JAX starts: the plugin then registers without calling cuInit.
 cd "$PROJECT_ROOT"
 JAX_PLATFORMS=cpu PYTHONPATH="$plugin${PYTHONPATH:+:$PYTHONPATH}" \
-  "$VENV_PYTHON" -m pytest -p no:cacheprovider -q tests/test_gpu_program.py tests/test_gpu_roofline.py "$@"
+  "$VENV_PYTHON" -m pytest -p no:cacheprovider -n 2 --dist loadgroup -q tests/test_gpu_program.py tests/test_gpu_roofline.py "$@"

@@ -2,7 +2,8 @@
 # Quickstart command 2: run the test suite on CPU in three lanes, each in its own virtualenv
 # (created once, re-installed only when pyproject.toml changes):
 #   newest:  Python 3.13 with the newest JAX, Flax, Equinox and optax the index serves
-#   oldest:  Python 3.11 with the oldest supported JAX (0.9.2), all but OLDEST_SKIP
+#   oldest:  Python 3.11 with the oldest supported JAX (0.9.2), all but OLDEST_SKIP, and a
+#            test with float16 and bfloat16 cases in bfloat16 only (tests/conftest.py)
 #   nextjax: the newest venv with JAX's upgrade flags on (the encodings JAX moves to:
 #            checkpoint, custom_jvp/vjp as call_hi_primitive, softmax's custom_jvp), on the
 #            files that exercise higher-order primitives, custom derivatives, models and
@@ -32,6 +33,7 @@ OLDEST_SKIP="--ignore=docs --ignore=tests/test_gpu_benchmark_smoke.py --ignore=t
   --ignore=tests/test_optim.py --ignore=tests/test_migration.py --ignore=tests/test_compat_jaxamp.py
   --ignore=tests/test_compat_mpx.py --ignore=tests/test_compat_jmp_suite.py"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+fast_cpu_compiles
 status=0
 summary=()
 newest_venv() {
@@ -72,8 +74,8 @@ for env in $envs; do
       flags="$NEXTJAX_FLAGS ($SCAN3_FILE not present: no JAX_SCAN3 run)"
     fi
   elif [ "$env" = oldest ]; then
-    runs=("env|$OLDEST_SKIP")
-    note="not run here: $(echo ${OLDEST_SKIP//--ignore=/})"
+    runs=("env AUTOCAST_HALF_TWINS=bfloat16|$OLDEST_SKIP")
+    note="bfloat16 only where a test has float16 and bfloat16 cases; not run here: $(echo ${OLDEST_SKIP//--ignore=/})"
   else
     runs=("env|")
   fi

@@ -148,7 +148,19 @@ def _compiled(model_name: str, system: str, mode: str, stop_head: bool = False):
     return info
 
 
-CASES = [(m, s, mode) for m in ("mlp", "vit", "block") for s in ("bf16", "f16", "fp8") for mode in D.MODES]
+def _group(model: str, mode: str):
+    """The xdist group of the tests that read one (model, mode)'s compiles: the lane runs on
+    two workers (``--dist loadgroup``) and each compile, float32 baseline included, happens
+    on one of them only (``_compiled`` caches per process)."""
+    return pytest.mark.xdist_group(f"{model}-{mode}")
+
+
+CASES = [
+    pytest.param(m, s, mode, marks=_group(m, mode))
+    for m in ("mlp", "vit", "block")
+    for s in ("bf16", "f16", "fp8")
+    for mode in D.MODES
+]
 
 
 @pytest.mark.parametrize("model,system,mode", CASES)
@@ -183,13 +195,15 @@ def test_amp_step_on_the_gpu_target(model, system, mode):
     _check_roofline(f"{model}/{system}/{mode}", info["roofline"])
 
 
-@pytest.mark.parametrize("model,mode", [(m, mode) for m in ("mlp", "vit", "block") for mode in D.MODES])
+@pytest.mark.parametrize(
+    "model,mode", [pytest.param(m, mode, marks=_group(m, mode)) for m in ("mlp", "vit", "block") for mode in D.MODES]
+)
 def test_float32_step_roofline(model, mode):
     """The float32 steps (compiled anyway as the baselines) under the same roofline guard."""
     _check_roofline(f"{model}/fp32/{mode}", _compiled(model, "fp32", mode)["roofline"])
 
 
-@pytest.mark.parametrize("mode", list(D.MODES))
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=_group("mlp", mode)) for mode in D.MODES])
 def test_census_sees_float32_gemms_in_amp_stop(mode):
     """The control: the MLP's last layer under ``amp_stop`` keeps its float32 GEMMs, and the
     census files them under ``amp_stop``, forward and backward."""
@@ -200,6 +214,7 @@ def test_census_sees_float32_gemms_in_amp_stop(mode):
     assert info["gemms"].get("bf16 x bf16", 0) >= 3, info["gemms"]
 
 
+@_group("block", "triton")
 def test_float32_step_has_float32_gemms():
     info = _compiled("block", "fp32", "triton")
     assert set(info["gemms"]) == {"f32 x f32"}, info["gemms"]
@@ -216,7 +231,14 @@ _TN_ONLY = pytest.mark.xfail(
 # the ViT: 16 transposes into GEMMs against float32's 17 since its layer norms' statistics are
 # computed in their islands (issue 28; 20 before): its transposes are still there, fewer
 # kernels around them leave the count below float32's
-@pytest.mark.parametrize("model", [pytest.param("mlp", marks=_TN_ONLY), "vit", pytest.param("block", marks=_TN_ONLY)])
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param("mlp", marks=[_TN_ONLY, _group("mlp", "cublas")]),
+        pytest.param("vit", marks=_group("vit", "cublas")),
+        pytest.param("block", marks=[_TN_ONLY, _group("block", "cublas")]),
+    ],
+)
 def test_fp8_cublas_operand_transposes(model):
     info, baseline = _compiled(model, "fp8", "cublas"), _compiled(model, "fp32", "cublas")
     assert info["transposes_into_gemms"] <= baseline["transposes_into_gemms"], (info, baseline)
