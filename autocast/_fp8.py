@@ -320,11 +320,8 @@ def decide(
     if target is None:
         return True, f"GEMM M={m} N={n} K={k}, no cost check (target=None)"
     batch = int(np.prod([shapes[0][i] for i in dn[1][0]], dtype=np.int64))
-    faster, times = _fp8_cost.pays(target, m, n, k, batch, 2)
-    return (
-        faster,
-        f"GEMM M={m} N={n} K={k}{f' x{batch}' if batch > 1 else ''}, modeled {'faster' if faster else 'slower'} in float8 ({times})",
-    )
+    ok, verdict = _fp8_cost.pays(target, m, n, k, batch, 2)
+    return ok, f"GEMM M={m} N={n} K={k}{f' x{batch}' if batch > 1 else ''}, {verdict}"
 
 
 class _Float8Rule:
