@@ -300,12 +300,19 @@ def gemm_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_num
 
 
 def decide(
-    eqn: Any, arrived: Sequence[Any], free: Sequence[bool] | None, min_dim: int, activations: bool, target: Any
+    eqn: Any,
+    arrived: Sequence[Any],
+    free: Sequence[bool] | None,
+    min_dim: int,
+    activations: bool,
+    target: Any,
+    half_bytes: int = 2,
 ) -> tuple[bool, str]:
-    """Whether the rule binds ``eqn`` in float8, and why (or why not), for ``explain``
-    (see the module docstring; ``target``: a :class:`autocast._fp8_cost.Target` or None)."""
-    if eqn.primitive.name != "dot_general" or len(arrived) != 2:
-        return False, "not a matmul"
+    """Whether the rule binds the ``dot_general`` ``eqn`` in float8, and why (or why not),
+    for ``explain`` (see the module docstring; ``target``: a
+    :class:`autocast._fp8_cost.Target` or None; ``half_bytes``: the compute dtype's size)."""
+    if len(arrived) != 2:
+        return False, "not a two-operand matmul"
     if any(_dtypes.dtype_of(x) not in _dtypes.CASTABLE for x in arrived):
         return False, "an operand is not a float"
     shapes = np.shape(arrived[0]), np.shape(arrived[1])
@@ -320,7 +327,7 @@ def decide(
     if target is None:
         return True, f"GEMM M={m} N={n} K={k}, no cost check (target=None)"
     batch = int(np.prod([shapes[0][i] for i in dn[1][0]], dtype=np.int64))
-    ok, verdict = _fp8_cost.pays(target, m, n, k, batch, 2)
+    ok, verdict = _fp8_cost.pays(target, m, n, k, batch, half_bytes)
     return ok, f"GEMM M={m} N={n} K={k}{f' x{batch}' if batch > 1 else ''}, {verdict}"
 
 
@@ -333,7 +340,7 @@ class _Float8Rule:
     def __init__(self, min_dim: int = MIN_DIM, activations: bool = False, target: str | None = "h100"):
         if not isinstance(min_dim, int) or isinstance(min_dim, bool) or min_dim < 1:
             raise ValueError(f"use_float8: min_dim={min_dim!r}; must be a positive integer.")
-        if target is not None and target not in _fp8_cost.TARGETS:
+        if target is not None and (not isinstance(target, str) or target not in _fp8_cost.TARGETS):
             raise ValueError(
                 f"use_float8: target={target!r}; allowed: {', '.join(map(repr, _fp8_cost.TARGETS))} or None "
                 "(every matmul of at least min_dim in float8)."
@@ -354,7 +361,8 @@ class _Float8Rule:
             return None
         free = _seen_free.get()
         target = None if self.target is None else _fp8_cost.TARGETS[self.target]
-        ok, why = decide(eqn, arrived, free, self.min_dim, self.activations, target)
+        half_bytes = _dtypes.dtype_of(cast[0]).itemsize  # the dtype it runs in if not float8
+        ok, why = decide(eqn, arrived, free, self.min_dim, self.activations, target, half_bytes)
         pref = params.get("preferred_element_type")
         out_dtype = np.dtype(pref) if pref is not None else _dtypes.dtype_of(cast[0])
         if ok and out_dtype not in _dtypes.CASTABLE:

@@ -1,16 +1,13 @@
 """Test configuration shared by the whole suite.
 
-Eight simulated CPU devices are requested before JAX is imported anywhere, so the
-multi-device tests (data parallel under ``jit`` with ``NamedSharding``, ``shard_map``,
-the scaler's ``axis_name``) run on a laptop or CI machine without accelerators. The flag is
-added to whatever ``XLA_FLAGS`` holds (tests/run_tests.sh adds its own).
+The root ``conftest.py``, which pytest loads first for every test of the repository, gives
+eight simulated CPU devices before JAX is imported (the flag added to whatever ``XLA_FLAGS``
+holds) and ``JAX_PLATFORMS=cpu``: the multi-device tests (data parallel under ``jit`` with
+``NamedSharding``, ``shard_map``, the scaler's ``axis_name``) run on a laptop or CI machine
+without accelerators.
 """
 
 import os
-
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # The real-model corpus (tests/real_models/) needs the `corpus` extra's packages, which only
 # its own lane installs (tests/run_corpus.sh sets AUTOCAST_CORPUS=1): the other lanes never

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+import autocast
 from autocast import _compat, _walk
 
 COMPUTE_PRIMS = ("dot_general", "conv_general_dilated")
@@ -120,3 +121,12 @@ def tree_max_rel_err(a: Any, b: Any) -> float:
         y = np.asarray(y, np.float32)
         errs.append(float(np.linalg.norm(x - y) / (np.linalg.norm(y) + 1e-12)))
     return max(errs) if errs else 0.0
+
+
+def fp8_every_matmul() -> Any:
+    """The shipped float8 policy without its cost check (``use_float8(target=None)``): every
+    weight matmul of at least 16 in float8. The tests' matmuls are far too small for float8
+    to pay on a GPU; they test float8's numerics and program (the check: test_fp8_filter.py)."""
+    return autocast.extend_policy(
+        {jax.lax.dot_general_p: autocast.use_float8(target=None)}, base=autocast.load_policy("fp8")
+    )

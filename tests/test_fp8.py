@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import operand_dtypes, walk
+from helpers import fp8_every_matmul, operand_dtypes, walk
 from jax import lax
 
 import autocast
@@ -24,10 +24,7 @@ from autocast import _compat, _fp8
 
 ROOT = Path(__file__).resolve().parent.parent
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
-# the shipped float8 policy without its cost check: these tests' matmuls are far too small
-# for float8 to pay on a GPU, and they test float8's numerics and its program (the check:
-# tests/test_fp8_filter.py)
-FP8 = autocast.extend_policy({lax.dot_general_p: autocast.use_float8(target=None)}, base=autocast.load_policy("fp8"))
+FP8 = fp8_every_matmul()  # the shipped policy without its cost check (tests/helpers.py)
 
 
 def ref_quantize(x, dtype):

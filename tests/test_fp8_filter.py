@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import operand_dtypes, walk
+from helpers import fp8_every_matmul, operand_dtypes, walk
 
 import autocast
 from autocast import _fp8_cost
@@ -77,10 +77,8 @@ def test_large_matmuls_run_in_float8_small_ones_do_not():
     n8, n = _float8_dots(big, *_shapes(256, 256, 1024))
     assert n8 == 0 and n >= 5, (n8, n)  # (the input's gradient product: dropped)
     # without the cost check, the same small matmuls run in float8
-    forced = autocast.extend_policy({jax.lax.dot_general_p: autocast.use_float8(target=None)}, base=FP8)
-    n8, _ = _float8_dots(
-        autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16, amp_policy=forced), *_shapes(256, 256, 1024)
-    )
+    forced = autocast.amp(mlp_loss, compute_dtype=jnp.bfloat16, amp_policy=fp8_every_matmul())
+    n8, _ = _float8_dots(forced, *_shapes(256, 256, 1024))
     assert n8 == 6
 
 
@@ -133,7 +131,7 @@ def test_explain_gives_the_other_reasons():
     assert any("modeled slower in float8" in r for r in reasons)
 
 
-@pytest.mark.parametrize("bad", ["a100", "H100", 3])
+@pytest.mark.parametrize("bad", ["a100", "H100", 3, ["h100"]])
 def test_unknown_target_names_the_choices(bad):
     with pytest.raises(ValueError, match=r"use_float8: target=.*allowed: 'h100', 'h200', 'b200' or None"):
         autocast.use_float8(target=bad)

@@ -50,6 +50,7 @@ pytest.importorskip(
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from helpers import fp8_every_matmul  # noqa: E402
 
 import autocast  # noqa: E402
 from benchmarks import deviceless as D  # noqa: E402
@@ -122,9 +123,7 @@ def _step(model_name: str, system: str, stop_head: bool = False):
     if SYSTEMS[system] is not None:
         kw = dict(SYSTEMS[system])
         if kw.get("amp_policy") == "fp8":
-            kw["amp_policy"] = autocast.extend_policy(
-                {jax.lax.dot_general_p: autocast.use_float8(target=None)}, base=autocast.load_policy("fp8")
-            )
+            kw["amp_policy"] = fp8_every_matmul()
         f = autocast.amp(f, **kw)
 
     def step(p, x):

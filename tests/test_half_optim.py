@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import fp8_every_matmul
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -219,10 +220,7 @@ def test_float16_compute_with_the_dynamic_scaler_and_bfloat16_params():
 def test_fp8_policy_with_bfloat16_params():
     model = to_half_params(eqx.nn.MLP(4, 2, 32, 2, key=jax.random.key(0)))
     # the width-32 MLP's matmuls are too small for float8 to pay on a GPU: the cost check off
-    policy = autocast.extend_policy(
-        {jax.lax.dot_general_p: autocast.use_float8(target=None)}, base=autocast.load_policy("fp8")
-    )
-    _, losses, _ = _train(model, _mlp_loss, policy=policy)
+    _, losses, _ = _train(model, _mlp_loss, policy=fp8_every_matmul())
     assert np.isfinite(losses).all() and losses[-1] < 0.7 * losses[0]
 
 
