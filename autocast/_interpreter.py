@@ -107,13 +107,19 @@ _LINEAR_BROADCAST = frozenset({"add", "sub", "select_n", "add_any"})
 _BIAS_SUMS: contextvars.ContextVar[frozenset] = contextvars.ContextVar("bias_sums", default=frozenset())
 
 
+# The small sums (norm statistics) a recomputed island saves in the jaxpr being evaluated
+# (``_plan.Plan.statistics``).
+_STATISTICS: contextvars.ContextVar[frozenset] = contextvars.ContextVar("statistics", default=frozenset())
+
+
 @contextlib.contextmanager
-def _bias_sums(found: frozenset):
-    token = _BIAS_SUMS.set(found)
+def _planned(bias_sums: frozenset, statistics: frozenset):
+    tokens = _BIAS_SUMS.set(bias_sums), _STATISTICS.set(statistics)
     try:
         yield
     finally:
-        _BIAS_SUMS.reset(token)
+        _BIAS_SUMS.reset(tokens[0])
+        _STATISTICS.reset(tokens[1])
 
 
 class Context:
@@ -216,10 +222,10 @@ def eval_jaxpr(
 
     if ctx.out_narrow is not None:  # meant for the handler that called us, not nested calls
         ctx = ctx.narrowing(None)
-    plan, island, narrow, wide, bias_sums = _plan.plan(
+    plan, island, narrow, wide, bias_sums, statistics = _plan.plan(
         ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars), out_narrow
     )
-    with _dtypes.memoised_casts(), _bias_sums(bias_sums):
+    with _dtypes.memoised_casts(), _planned(bias_sums, statistics):
         _eval_eqns(ctx, jaxpr, plan, island, narrow, wide if ctx.widen else {}, env, read, scopes)
     results = [read(v) for v in jaxpr.outvars]
     return [x for x, _ in results], [f for _, f in results]
@@ -465,6 +471,9 @@ def _eval_eqn(
             outs, out_free = handler(hctx, eqn, invals, in_free, eqn_scopes, out32)
         else:
             outs, out_free, bound = _apply_rule(ctx, eqn, rule, invals, in_free, widen)
+            if len(outs) == 1 and eqn.outvars[0] in _STATISTICS.get() and (ctx.recomputed or (island and island[1])):
+                # a row statistic: saved by the island's checkpoint (``_plan.Plan.statistics``)
+                outs = [checkpoint_name(x, _compat.SAVED_NAME) for x in outs]
     if ctx.observer is not None:
         ctx.observer.exit(eqn, kind, rule, eqn_scopes, invals, bound, outs, island)
     for var, val, f in zip(eqn.outvars, outs, out_free):

@@ -82,13 +82,23 @@ CASES = {"softmax+layernorm": (softmax_layernorm, softmax_params), "LSTM cell (s
 
 
 def _float32_residual_bytes(f, p, x) -> int:
-    """Bytes of float32 residuals of ``jax.grad`` that are at least as large as the batch
-    of one step's activations (parameters and scalars excluded)."""
+    """Bytes of float32 residuals of ``jax.grad`` that are larger than one value per row of
+    the batch (256 rows): activations. Parameters, scalars and per-row statistics (a
+    norm's sums, which a recomputed island saves) excluded."""
     return sum(
         a.size * 4
         for a, src in _compat.saved_residuals(f, p, x)
-        if a.dtype == jnp.float32 and a.size >= 256 and "argument" not in src
+        if a.dtype == jnp.float32 and a.size > 256 and "argument" not in src
     )
+
+
+def _float32_row_statistics(f, p, x) -> list[tuple[int, ...]]:
+    """Shapes of the float32 residuals of ``jax.grad`` holding one value per row (256)."""
+    return [
+        tuple(a.shape)
+        for a, src in _compat.saved_residuals(f, p, x)
+        if a.dtype == jnp.float32 and a.size == 256 and "argument" not in src
+    ]
 
 
 def _n_checkpoints(f, p, x) -> int:
@@ -105,6 +115,29 @@ def test_softmax_layernorm_island_is_recomputed_in_auto(dtype):
     off = autocast.amp(softmax_layernorm, compute_dtype=dtype, remat_float32=False)
     assert _n_checkpoints(off, p, x) == 0
     assert _float32_residual_bytes(off, p, x) >= 2 * 256 * 64 * 4  # softmax and norm intermediates
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_recomputed_island_saves_a_norms_sums_not_a_softmaxs(dtype):
+    """A recomputed island keeps the layer norm's two row sums (mean and variance: one float
+    per row each), so the backward pass does not reduce over the rows again; not the
+    softmax's sum of ``exp`` (saving it makes XLA:GPU write the float32 ``exp`` out) nor its
+    ``max``."""
+    p, x = softmax_params()
+    auto = autocast.amp(softmax_layernorm, compute_dtype=dtype)
+    assert _float32_row_statistics(auto, p, x) == [(256,), (256,)]
+
+    # a softmax alone: its island saves no statistic
+    def softmax_only(p, x):
+        return jnp.sum(jax.nn.softmax(x @ p["w"], axis=-1) @ p["w2"])
+
+    f = autocast.amp(softmax_only, compute_dtype=dtype)
+    assert _n_checkpoints(f, p, x) >= 1
+    assert _float32_row_statistics(f, p, x) == []
+    # the saved sums are the values the recomputation would make: same gradients as float32
+    g = jax.jit(jax.grad(auto))(p, x)
+    g32 = jax.grad(softmax_layernorm)(p, x)
+    assert _tree_rel(g, g32) < 5e-2
 
 
 def test_lstm_island_with_float32_carry_is_not_recomputed_in_auto():
