@@ -227,14 +227,15 @@ _TN_ONLY = pytest.mark.xfail(
 )
 
 
-# the ViT: 16 transposes into GEMMs against float32's 17 since its layer norms' statistics are
-# computed in their islands (issue 28; 20 before): its transposes are still there, fewer
-# kernels around them leave the count below float32's
+# the ViT: 16 transposes into GEMMs against float32's 17 while its layer norms' statistics
+# were recomputed with them in their islands; with the islands' checkpoints saving the
+# norms' sums (issue 28) the kernels around them are cut differently and the count is 20
+# again (as before either change): the same cuBLASLt TN-operand transposes as the others
 @pytest.mark.parametrize(
     "model",
     [
         pytest.param("mlp", marks=[_TN_ONLY, _group("mlp", "cublas")]),
-        pytest.param("vit", marks=_group("vit", "cublas")),
+        pytest.param("vit", marks=[_TN_ONLY, _group("vit", "cublas")]),
         pytest.param("block", marks=[_TN_ONLY, _group("block", "cublas")]),
     ],
 )
