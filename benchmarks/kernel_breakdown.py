@@ -1,0 +1,170 @@
+"""Where a compiled train step's modeled time goes, by part of the model, system against system.
+
+``JAX_PLATFORMS=cpu PYTHONPATH=<jax-cuda12 plugin> python -m benchmarks.kernel_breakdown``
+compiles one train step of a small GPT (the benchmark's GPT-2-small block: width 768, 12
+heads, 1,024 tokens, batch 8; ``--depth`` blocks, a ``--vocab`` small enough that the head
+does not dominate) for the H100 target without a GPU (:mod:`benchmarks.deviceless`), for each
+of ``--systems`` (:mod:`benchmarks.train_steps`), and groups the roofline model's kernels
+(:func:`benchmarks.hlo_model.kernel_costs`) by the op name XLA gives each kernel: forward or
+backward pass (``transpose(`` in the name), GEMM or not, the part of the model (attention,
+layer norm, linear layers, the optimizer update, the rest) and whether the kernel recomputes
+forward work in the backward pass (``rematted_computation``). Writes
+``benchmarks/results/kernel-breakdown-<date>.{md,json}``. A model over compile-time facts:
+no timings; op names follow XLA's choice of a fusion's root, so compare parts summed over
+both passes, not single rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import optax
+
+from benchmarks import _common as C
+from benchmarks import deviceless as D
+from benchmarks import hlo_model as H
+from benchmarks import train_steps as S
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PARTS = ("attention", "layer norm", "linear", "optimizer", "other")
+
+
+def part(op_name: str) -> str:
+    """The part of the model a kernel's op name belongs to."""
+    if "MultiheadAttention" in op_name:
+        return "attention"
+    if "LayerNorm" in op_name:
+        return "layer norm"
+    if "Linear" in op_name:
+        return "linear"
+    if re.search(r"jit\([^)]*\)/select_n$", op_name):  # the optimizer's finite-step select
+        return "optimizer"
+    return "other"
+
+
+def breakdown(hlo: str) -> dict[str, dict[str, float]]:
+    """``{"<pass>: <part>[, GEMM][, recomputed]": {"ms", "MiB", "kernels"}}`` of one step."""
+    entry, comps = H.parse(hlo)
+    names = {}
+    for ins, _ in H.kernels(entry, comps):
+        m = re.search(r'op_name="([^"]*)"', ins.line)
+        names[ins.name] = m.group(1) if m else ""
+    rows: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"ms": 0.0, "MiB": 0.0, "kernels": 0})
+    for k in H.kernel_costs(hlo):
+        op = names.get(k.name, "")
+        key = ("backward" if "transpose(" in op else "forward") + ": " + part(op)
+        key += ", GEMM" if k.flops else ""
+        key += ", recomputed" if "rematted_computation" in op else ""
+        r = rows[key]
+        r["ms"] += k.time_s * k.runs * 1e3
+        r["MiB"] += k.bytes * k.runs / 2**20
+        r["kernels"] += k.runs
+    return dict(rows)
+
+
+def compile_step(task: Any, system: str, mode: str, sharding: Any) -> tuple[str, dict[str, int]]:
+    """The optimised HLO and XLA:GPU's memory figures of ``system`` 's step for ``task``."""
+    params, static = eqx.partition(task.model, S.is_leaf_array)
+    opt = optax.adamw(1e-4, weight_decay=1e-4)
+    sys_ = S.build_system(system, task, static, opt)
+    state = (*sys_.init(params, opt), sys_.scaler)
+    args = (*D.abstract(state, sharding), D.abstract(task.batch, sharding))
+    step = lambda *a: sys_.step(*a)[:4]  # noqa: E731
+    with sys_.context():
+        jitted = jax.jit(step, donate_argnums=(0, 1, 2), compiler_options=D.MODES[mode])
+        compiled = jitted.lower(*args).compile()
+    return compiled.as_text(), D.memory(compiled)
+
+
+def render(report: dict[str, Any]) -> str:
+    systems = list(report["systems"])
+    keys = sorted({k for s in systems for k in report["systems"][s]["parts"]})
+    lines = [
+        "## Where the modeled step time goes, by part of the model",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        C.metadata_markdown(report["meta"]),
+        "",
+        f"{report['description']}; GEMM mode {report['mode']}. Modeled time (the roofline model of "
+        "`benchmarks/hlo_model.py`: a model over the compiled program, not a measurement) and HBM "
+        "traffic per group of kernels, grouped by the op name XLA gives each kernel.",
+        "",
+        "| system | modeled ms | HBM MiB | kernels | peak MiB |",
+        "|---|---|---|---|---|",
+    ]
+    for s in systems:
+        t = report["systems"][s]
+        lines.append(f"| {s} | {t['ms']:.3f} | {t['MiB']:,.0f} | {t['kernels']} | {t['peak_MiB']:,.0f} |")
+    lines += ["", "| kernels | " + " | ".join(f"{s} ms · MiB · kernels" for s in systems) + " |"]
+    lines.append("|---|" + "---|" * len(systems))
+    for k in keys:
+        cells = []
+        for s in systems:
+            r = report["systems"][s]["parts"].get(k)
+            cells.append(f"{r['ms']:.3f} · {r['MiB']:,.0f} · {r['kernels']}" if r else "-")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    lines += ["", "Summed over both passes (GEMMs included, recomputation included):", ""]
+    lines.append("| part | " + " | ".join(f"{s} ms" for s in systems) + " |")
+    lines.append("|---|" + "---|" * len(systems))
+    for p in PARTS:
+        cells = [
+            f"{sum(r['ms'] for k, r in report['systems'][s]['parts'].items() if k.split(': ')[1].startswith(p)):.3f}"
+            for s in systems
+        ]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--systems", nargs="+", default=["autocast-bf16", "mpx-bf16"], choices=S.SYSTEMS)
+    ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--mode", choices=sorted(D.MODES), default="cublas")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    cfg = S.GPTConfig(vocab=args.vocab, seq=1024, width=768, depth=args.depth, heads=12)
+    task = S._gpt_task("gpt", cfg, args.batch, shapes_only=True)
+    sharding = D.target_sharding("h100")
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {
+        "command": "python -m benchmarks.kernel_breakdown " + " ".join(sys.argv[1:] if argv is None else argv),
+        "meta": C.metadata(),
+        "description": task.description,
+        "mode": args.mode,
+        "systems": {},
+    }
+    for system in args.systems:
+        hlo, mem = compile_step(task, system, args.mode, sharding)
+        parts = breakdown(hlo)
+        report["systems"][system] = {
+            "ms": sum(r["ms"] for r in parts.values()),
+            "MiB": sum(r["MiB"] for r in parts.values()),
+            "kernels": sum(r["kernels"] for r in parts.values()),
+            "peak_MiB": mem["peak"] / 2**20,
+            "parts": parts,
+        }
+        print(f"{system}: {report['systems'][system]['ms']:.3f} ms modeled", flush=True)
+    report["wall_time_s"] = time.perf_counter() - t0
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    out = args.out_dir / f"kernel-breakdown-{date}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    C.write_json(out.with_suffix(".json"), report)
+    out.with_suffix(".md").write_text(render(report))
+    print(f"wrote {out}.md and .json")
+    return report
+
+
+if __name__ == "__main__":
+    main()
