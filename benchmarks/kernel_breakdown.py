@@ -9,7 +9,9 @@ of ``--systems`` (:mod:`benchmarks.train_steps`), and groups the roofline model'
 backward pass (``transpose(`` in the name), GEMM or not, the part of the model (attention,
 layer norm, linear layers, the optimizer update, the rest) and whether the kernel recomputes
 forward work in the backward pass (``rematted_computation``). Writes
-``benchmarks/results/kernel-breakdown-<date>.{md,json}``. A model over compile-time facts:
+``benchmarks/results/kernel-breakdown[-<label>]-<date>.{md,json}`` (the JAX flag
+``jax_softmax_custom_jvp``, which changes how ``jax.nn.softmax`` is differentiated, is
+recorded: set ``JAX_SOFTMAX_CUSTOM_JVP=1`` to compare). A model over compile-time facts:
 no timings; op names follow XLA's choice of a fusion's root, so compare parts summed over
 both passes, not single rows.
 """
@@ -95,7 +97,8 @@ def render(report: dict[str, Any]) -> str:
         "",
         C.metadata_markdown(report["meta"]),
         "",
-        f"{report['description']}; GEMM mode {report['mode']}. Modeled time (the roofline model of "
+        f"{report['description']}; GEMM mode {report['mode']}; `jax_softmax_custom_jvp` "
+        f"{report['softmax_custom_jvp']}. Modeled time (the roofline model of "
         "`benchmarks/hlo_model.py`: a model over the compiled program, not a measurement) and HBM "
         "traffic per group of kernels, grouped by the op name XLA gives each kernel.",
         "",
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--mode", choices=sorted(D.MODES), default="cublas")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument("--label", default="", help="a name for the output files (kernel-breakdown-<label>-<date>)")
     args = ap.parse_args(argv)
     cfg = S.GPTConfig(vocab=args.vocab, seq=1024, width=768, depth=args.depth, heads=12)
     task = S._gpt_task("gpt", cfg, args.batch, shapes_only=True)
@@ -143,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "meta": C.metadata(),
         "description": task.description,
         "mode": args.mode,
+        "softmax_custom_jvp": bool(jax.config.jax_softmax_custom_jvp),
         "systems": {},
     }
     for system in args.systems:
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{system}: {report['systems'][system]['ms']:.3f} ms modeled", flush=True)
     report["wall_time_s"] = time.perf_counter() - t0
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
-    out = args.out_dir / f"kernel-breakdown-{date}"
+    out = args.out_dir / "-".join(["kernel-breakdown", *([args.label] if args.label else []), date])
     args.out_dir.mkdir(parents=True, exist_ok=True)
     C.write_json(out.with_suffix(".json"), report)
     out.with_suffix(".md").write_text(render(report))
