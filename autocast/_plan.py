@@ -130,6 +130,14 @@ _EXPENSIVE = frozenset(
 _REDUCTIONS = ("reduce_", "cum", "argmax", "argmin", "psum", "reduce_scatter")
 
 
+def _computes(eqn: Any, kind: str) -> list[str]:
+    """The primitives ``eqn`` computes: its own, or for a call (``kind`` not ``RULE``) those
+    of its bodies at any depth."""
+    if kind == RULE:
+        return [eqn.primitive.name]
+    return [e.primitive.name for body in _walk.bodies(eqn) for e, *_ in _walk.walk(body)]
+
+
 def _bias_sums(jaxpr: Any, steps: list) -> frozenset:
     """The ``add`` equations' outputs that sum a matmul's result (or data movement of one)
     with something else, where the sum feeds an expensive elementwise function (GELU's
@@ -167,10 +175,7 @@ def _bias_sums(jaxpr: Any, steps: list) -> frozenset:
                 reader, (rkind, rrule) = jaxpr.eqns[k], steps[k]
                 if rkind == RULE and _rules.is_compute_rule(rrule):
                     continue  # the next matmul: its own backward pass
-                if rkind == RULE:
-                    names = [reader.primitive.name]
-                else:  # a call (GELU under jit): what its bodies compute
-                    names = [e.primitive.name for body in _walk.bodies(reader) for e, *_ in _walk.walk(body)]
+                names = _computes(reader, rkind)  # a call (GELU under jit): what its bodies compute
                 expensive = expensive or any(n in _EXPENSIVE for n in names)
                 reduced = any(n.startswith(_REDUCTIONS) for n in names)
                 todo.extend(reader.outvars)
@@ -209,11 +214,7 @@ def _statistics(jaxpr: Any, steps: list) -> frozenset:
             eqn, (kind, rule) = producer[u]
             if kind == RULE and _rules.is_compute_rule(rule):
                 continue  # a matmul's result: stored anyway
-            if kind == RULE:
-                names = [eqn.primitive.name]
-            else:  # a call: what its bodies compute
-                names = [e.primitive.name for body in _walk.bodies(eqn) for e, *_ in _walk.walk(body)]
-            if any(n in _EXPENSIVE for n in names):
+            if any(n in _EXPENSIVE for n in _computes(eqn, kind)):
                 return False
             todo.extend(x for x in eqn.invars if not isinstance(x, _compat.Literal))
         cheap.update(seen)

@@ -118,12 +118,6 @@ def analyse(compiled: Any) -> dict[str, Any]:
     return {**hlo_model.census(hlo), "memory": memory(compiled), "roofline": hlo_model.roofline(hlo)}
 
 
-def compile_for_target(jitted: Any, args: tuple, **lower_kwargs: Any) -> tuple[Any, dict[str, Any]]:
-    """``jitted.lower(*args).compile()`` and :func:`analyse` of it."""
-    compiled = jitted.lower(*args, **lower_kwargs).compile()
-    return compiled, analyse(compiled)
-
-
 # ----------------------------------------------------------------------------- the --target report
 
 # issue 22: amp bf16's peak at least this many times below float32's
@@ -132,24 +126,30 @@ PEAK_TARGET = {"vit-base": 3.0, "vit-desktop": 3.0, "gpt2-small": 2.0}
 X1_ONLY = {"gpt-1b"}
 
 
-def compile_system(
-    task: Any, name: str, mode: str, sharding: Any, batch_mult: int, hlo_path: Path | None = None
-) -> dict[str, Any]:
-    """Census, memory and roofline of ``name`` 's train step for ``task`` on the target
-    (the task's arrays may be shapes only: nothing is materialised); the optimised HLO is
-    written to ``hlo_path`` (gzipped) if given."""
+def compile_step(task: Any, name: str, mode: str, sharding: Any, batch_mult: int = 1) -> Any:
+    """``name`` 's train step for ``task`` compiled for the target (the task's arrays may be
+    shapes only: nothing is materialised): parameters, optimizer state and scaler donated."""
     params, static = eqx.partition(task.model, S.is_leaf_array)
     opt = optax.adamw(1e-4, weight_decay=1e-4)
     system = S.build_system(name, task, static, opt)
     state = (*system.init(params, opt), system.scaler)
     args = (*abstract(state, sharding), abstract(task.batch, sharding, batch_mult))
-    t0 = time.perf_counter()
     # the step as users run it: parameters, optimizer state, scaler and loss out (the measured
     # benchmark also returns the gradient, to compare it with float32's; nothing runs here)
     step = lambda *a: system.step(*a)[:4]  # noqa: E731
     with system.context():
         jitted = jax.jit(step, donate_argnums=(0, 1, 2), compiler_options=MODES[mode])
-        compiled, info = compile_for_target(jitted, args)
+        return jitted.lower(*args).compile()
+
+
+def compile_system(
+    task: Any, name: str, mode: str, sharding: Any, batch_mult: int, hlo_path: Path | None = None
+) -> dict[str, Any]:
+    """Census, memory and roofline (:func:`analyse`) of :func:`compile_step`; the optimised
+    HLO is written to ``hlo_path`` (gzipped) if given."""
+    t0 = time.perf_counter()
+    compiled = compile_step(task, name, mode, sharding, batch_mult)
+    info = analyse(compiled)
     info["compile_s"] = time.perf_counter() - t0
     if hlo_path is not None:
         hlo_path.parent.mkdir(parents=True, exist_ok=True)

@@ -27,9 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import equinox as eqx
 import jax
-import optax
 
 from benchmarks import _common as C
 from benchmarks import deviceless as D
@@ -71,20 +69,6 @@ def breakdown(hlo: str) -> dict[str, dict[str, float]]:
         r["MiB"] += k.bytes * k.runs / 2**20
         r["kernels"] += k.runs
     return dict(rows)
-
-
-def compile_step(task: Any, system: str, mode: str, sharding: Any) -> tuple[str, dict[str, int]]:
-    """The optimised HLO and XLA:GPU's memory figures of ``system`` 's step for ``task``."""
-    params, static = eqx.partition(task.model, S.is_leaf_array)
-    opt = optax.adamw(1e-4, weight_decay=1e-4)
-    sys_ = S.build_system(system, task, static, opt)
-    state = (*sys_.init(params, opt), sys_.scaler)
-    args = (*D.abstract(state, sharding), D.abstract(task.batch, sharding))
-    step = lambda *a: sys_.step(*a)[:4]  # noqa: E731
-    with sys_.context():
-        jitted = jax.jit(step, donate_argnums=(0, 1, 2), compiler_options=D.MODES[mode])
-        compiled = jitted.lower(*args).compile()
-    return compiled.as_text(), D.memory(compiled)
 
 
 def render(report: dict[str, Any]) -> str:
@@ -151,8 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "systems": {},
     }
     for system in args.systems:
-        hlo, mem = compile_step(task, system, args.mode, sharding)
-        parts = breakdown(hlo)
+        compiled = D.compile_step(task, system, args.mode, sharding)
+        parts, mem = breakdown(compiled.as_text()), D.memory(compiled)
         report["systems"][system] = {
             "ms": sum(r["ms"] for r in parts.values()),
             "MiB": sum(r["MiB"] for r in parts.values()),

@@ -81,24 +81,21 @@ def lstm_params():
 CASES = {"softmax+layernorm": (softmax_layernorm, softmax_params), "LSTM cell (scan)": (lstm, lstm_params)}
 
 
+def _float32_residuals(f, p, x) -> list:
+    """The float32 residuals of ``jax.grad`` that are not parameters."""
+    return [a for a, src in _compat.saved_residuals(f, p, x) if a.dtype == jnp.float32 and "argument" not in src]
+
+
 def _float32_residual_bytes(f, p, x) -> int:
     """Bytes of float32 residuals of ``jax.grad`` that are larger than one value per row of
     the batch (256 rows): activations. Parameters, scalars and per-row statistics (a
     norm's sums, which a recomputed island saves) excluded."""
-    return sum(
-        a.size * 4
-        for a, src in _compat.saved_residuals(f, p, x)
-        if a.dtype == jnp.float32 and a.size > 256 and "argument" not in src
-    )
+    return sum(a.size * 4 for a in _float32_residuals(f, p, x) if a.size > 256)
 
 
 def _float32_row_statistics(f, p, x) -> list[tuple[int, ...]]:
     """Shapes of the float32 residuals of ``jax.grad`` holding one value per row (256)."""
-    return [
-        tuple(a.shape)
-        for a, src in _compat.saved_residuals(f, p, x)
-        if a.dtype == jnp.float32 and a.size == 256 and "argument" not in src
-    ]
+    return [tuple(a.shape) for a in _float32_residuals(f, p, x) if a.size == 256]
 
 
 def _n_checkpoints(f, p, x) -> int:
