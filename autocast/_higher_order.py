@@ -159,11 +159,33 @@ for _prim, _param in ((_compat.jit_p, "jaxpr"), (_compat.closed_call_p, "call_ja
 
 
 def checkpoint_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
-    """The pull rule of a checkpoint (``checkpoint`` or ``RematTraced``)."""
+    """The pull rule of a checkpoint (``checkpoint`` or ``RematTraced``), and of a
+    ``CustomJVPTraced`` (:func:`custom_jvp_pulls`)."""
     parts = _compat.remat_parts(eqn)
     if parts is None:
+        if _compat.hi_name(eqn) == "CustomJVPTraced":
+            return custom_jvp_pulls(ctx, eqn, scopes, out32)
         return [False] * len(eqn.invars)
     return _plan.input_pulls(ctx, parts[0], scopes, out32)
+
+
+def custom_jvp_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
+    """The pull rule of a custom JVP call that is part of a float32 island
+    (:func:`call_computes_in_float32`: ``jax.nn.softmax`` under ``jax_softmax_custom_jvp``,
+    ``softplus``): the operands its body consumes only in float32 are taken in float32, so
+    their producer is computed in float32 inside the island, as for the same operations
+    written out. ``softmax(scores + mask)`` with a float32 additive mask passed as an
+    argument then adds in float32 (``finfo(float32).min`` stays finite; rounded to half
+    first it was ``-inf``, and a fully masked row NaN). Nothing more is kept: the island is
+    recomputed from the half-precision scores. Any other custom JVP call takes its
+    operands as they arrive (its rule would otherwise run, and save, in float32)."""
+    parts = _compat.custom_jvp_parts(eqn)
+    if parts is None or not call_computes_in_float32(ctx, eqn, scopes, out32):
+        return [False] * len(eqn.invars)
+    body = _compat.open_and_consts(parts.body)[0]
+    if len(body.invars) != len(eqn.invars):
+        return [False] * len(eqn.invars)
+    return _plan.input_pulls(ctx.without_islands(), parts.body, scopes, out32)
 
 
 def checkpoint(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
@@ -307,7 +329,9 @@ def custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tupl
     return list(call(*invals)), out_free
 
 
-register_higher_order(_compat.custom_jvp_call_p, body="call_jaxpr", float32_call=call_computes_in_float32)(custom_jvp)
+register_higher_order(
+    _compat.custom_jvp_call_p, pulls=custom_jvp_pulls, body="call_jaxpr", float32_call=call_computes_in_float32
+)(custom_jvp)
 
 
 def custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):

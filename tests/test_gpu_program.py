@@ -53,6 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 from helpers import fp8_every_matmul  # noqa: E402
 
 import autocast  # noqa: E402
+from autocast import _compat  # noqa: E402
 from benchmarks import deviceless as D  # noqa: E402
 from benchmarks import hlo_model as H  # noqa: E402
 from benchmarks.vit import _Block  # noqa: E402
@@ -331,3 +332,39 @@ def test_gelu_mlp_step_writes_no_float32_activation(monkeypatch):
     assert _gelu_mlp_f32_results() == []
     monkeypatch.setattr(autocast._interpreter, "_bias_into_float32", lambda *a: [])
     assert _gelu_mlp_f32_results() != []  # the control: the float32 tanh written out
+
+
+def _attention_step_costs() -> tuple[int, int]:
+    """Kernels and modeled HBM bytes of a causal attention layer's bfloat16 gradient
+    (8 sequences of 512 tokens, 4 heads of 64), compiled for the H100."""
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {n: jax.random.normal(kk, (256, 256)) / 16 for n, kk in zip(("wq", "wk", "wv"), k)}
+    x = jax.random.normal(k[3], (8, 512, 256))
+
+    def loss(p, x):
+        heads = lambda w: (x @ w).reshape(8, 512, 4, 64).transpose(0, 2, 1, 3)  # noqa: E731
+        q, kk, v = heads(p["wq"]), heads(p["wk"]), heads(p["wv"])
+        s = q @ kk.swapaxes(-1, -2) / 8.0
+        s = jnp.where(jnp.tril(jnp.ones((512, 512), bool)), s, jnp.finfo(jnp.float32).min)
+        return jnp.mean((jax.nn.softmax(s, axis=-1) @ v) ** 2)
+
+    step = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16)))
+    hlo = step.lower(*D.abstract((p, x), _sharding())).compile().as_text()
+    costs = H.kernel_costs(hlo)
+    return len(costs), sum(c.bytes for c in costs)
+
+
+def test_attention_backward_with_softmax_custom_jvp_reads_the_scores_once_fewer():
+    """JAX's flag ``jax_softmax_custom_jvp`` makes ``jax.nn.softmax`` a custom JVP whose rule
+    ``y * (dy - sum(y * dy))`` needs only the probabilities; amp keeps the rule inside the
+    recomputed attention island (its operand, the masked scores, is pulled to float32 there:
+    ``autocast._higher_order.custom_jvp_pulls``), so on this causal attention the backward
+    pass has one kernel over the scores fewer than without the flag (the sum of ``exp`` the
+    division's derivative needs). docs/faq.md gives the flag as a tip, with the full-model
+    figures: faster on GPT-2, not on every ViT step."""
+    flag = _compat.hijax_flags()["softmax_custom_jvp"]
+    with flag(True):
+        kernels, hbm = _attention_step_costs()
+    with flag(False):
+        kernels_before, hbm_before = _attention_step_costs()
+    assert kernels < kernels_before and hbm < hbm_before, (kernels, kernels_before, hbm, hbm_before)

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import operand_dtypes, tree_max_rel_err, walk, xfail_if_flag
+from helpers import operand_dtypes, tree_max_rel_err, walk
 
 import autocast
+from autocast import _compat
 
 HALF = [jnp.float16, jnp.bfloat16]
 TOL = {jnp.float16: 3e-3, jnp.bfloat16: 2e-2}
@@ -62,18 +63,8 @@ def _close_to_float32(out, ref, dtype):
     assert err < TOL[dtype], err
 
 
-_ARGUMENT_FILL = xfail_if_flag(
-    "softmax_custom_jvp",
-    reason="a fill passed as an argument is data, not inspected (docs/faq.md): with softmax as a custom_jvp "
-    "the planner no longer widens the add before it, so the argument's finfo.min is narrowed to -inf",
-)
-
-
 @pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.__name__)
-@pytest.mark.parametrize(
-    "idiom",
-    [pytest.param(i, marks=_ARGUMENT_FILL) if i == "additive_bias_as_input" else i for i in MASKINGS],
-)
+@pytest.mark.parametrize("idiom", MASKINGS)
 def test_masking_with_a_fill_outside_the_half_range_gives_float32s_value(idiom, dtype):
     """``jnp.where(mask, logits, jnp.finfo(jnp.float32).min)``: the fill reaches the
     ``select_n`` through ``jnp.where``'s jit; cast to half it would be -inf and a fully masked
@@ -90,6 +81,31 @@ def test_masking_with_a_fill_outside_the_half_range_gives_float32s_value(idiom, 
 
     g_ref = jax.grad(loss(f), argnums=(0, 1))(q, k)
     g = jax.grad(loss(autocast.amp(f, compute_dtype=dtype)), argnums=(0, 1))(q, k)
+    for a, b in zip(g, g_ref):
+        _close_to_float32(a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.__name__)
+@pytest.mark.parametrize("idiom", ["additive_bias_as_input", "additive_bias_from_literals", "where_finfo_float32_min"])
+def test_masking_with_softmax_custom_jvp_gives_float32s_value(idiom, dtype):
+    """Under JAX's flag ``jax_softmax_custom_jvp`` the softmax is a custom JVP call; being a
+    float32 island, it takes in float32 what its body reads only in float32, so ``scores +
+    mask`` with a float32 argument mask adds in float32 (rounded to half first,
+    ``finfo(float32).min`` was ``-inf`` and the fully masked row NaN)."""
+    flag = _compat.hijax_flags()["softmax_custom_jvp"]  # JAX 0.9.2 through 0.12 have it
+    f = MASKINGS[idiom]
+    q, k = _qk()
+    m = jnp.where(MASK, 0.0, F32_MIN) if idiom == "additive_bias_as_input" else MASK
+    with flag(True):
+        ref = f(q, k, m)
+        out = autocast.amp(f, compute_dtype=dtype)(q, k, m)
+        _close_to_float32(out, ref, dtype)
+
+        def loss(fn):
+            return lambda q, k: jnp.nansum(fn(q, k, m).astype(jnp.float32))
+
+        g_ref = jax.grad(loss(f), argnums=(0, 1))(q, k)
+        g = jax.grad(loss(autocast.amp(f, compute_dtype=dtype)), argnums=(0, 1))(q, k)
     for a, b in zip(g, g_ref):
         _close_to_float32(a, b, dtype)
 
