@@ -83,6 +83,7 @@ def metadata() -> dict[str, Any]:
         "device": f"{dev.device_kind} x{len(jax.devices())}",
         "python": platform.python_version(),
         "git_commit": _git_commit(),
+        "jax_flags": jax_flags(),
         "versions": {
             name: _version(name)
             for name in (
@@ -99,14 +100,31 @@ def metadata() -> dict[str, Any]:
     }
 
 
+# JAX's upgrade flags that change the program a train step compiles to (how softmax is
+# differentiated, the encodings of checkpoint, custom derivatives and scan)
+_PROGRAM_FLAGS = ("softmax_custom_jvp", "remat3", "custom_jvp3", "custom_vjp3", "scan3")
+
+
+def jax_flags() -> dict[str, bool]:
+    """The program-changing JAX upgrade flags that are on in this run (``jax_<name>``)."""
+    on = {}
+    for name in _PROGRAM_FLAGS:
+        value = getattr(jax.config, f"jax_{name}", None)
+        if value:
+            on[f"jax_{name}"] = True
+    return on
+
+
 def metadata_markdown(meta: dict[str, Any]) -> str:
     """A short markdown bullet list of :func:`metadata`."""
     vers = ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v)
+    flags = ", ".join(meta.get("jax_flags") or {})
     return (
         f"- date: {meta['date']}\n"
         f"- machine: {meta['machine']} ({meta['os']})\n"
         f"- backend: {meta['backend']} ({meta['device']})\n"
         f"- python {meta['python']}; {vers}; repo commit {meta.get('git_commit')}\n"
+        + (f"- JAX flags on: {flags}\n" if flags else "")
     )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from autocast import _compat
+from benchmarks import _common as C
 from benchmarks import hlo_model as H
 from benchmarks import kernel_breakdown as K
 
@@ -51,3 +53,15 @@ def test_kernels_land_in_the_group_their_op_name_says():
 )
 def test_part_of_an_op_name(op, part):
     assert K.part(op) == part
+
+
+def test_benchmark_metadata_names_the_jax_flags_that_change_the_program():
+    """A result compiled under ``jax_softmax_custom_jvp`` (or another upgrade flag) says so:
+    the flag changes the program, so its figures are not comparable with a run without it."""
+    flag = _compat.hijax_flags()["softmax_custom_jvp"]
+    with flag(False):
+        assert "jax_softmax_custom_jvp" not in C.jax_flags()
+    with flag(True):
+        meta = C.metadata()
+        assert meta["jax_flags"].get("jax_softmax_custom_jvp") is True
+        assert "- JAX flags on: jax_softmax_custom_jvp" in C.metadata_markdown(meta)
