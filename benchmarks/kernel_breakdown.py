@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import gzip
+import json
 import re
 import sys
 import time
@@ -112,6 +114,17 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _saved_step(hlo_dir: Path, step: str, system: str) -> tuple[str, int, str | None]:
+    """The optimised HLO, the peak bytes and the commit of a step ``benchmarks.gpu --save-hlo``
+    saved."""
+    path = hlo_dir / f"{step}-{system}.hlo.gz"
+    if not path.exists():
+        raise SystemExit(f"--hlo-dir: no {path.name} in {hlo_dir} (run benchmarks.gpu --target h100 --save-hlo)")
+    figures = json.loads(path.with_name(f"{step}-{system}.json").read_text())
+    with gzip.open(path, "rt") as f:
+        return f.read(), int(figures["memory"]["peak"]), figures.get("git_commit")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--systems", nargs="+", default=["autocast-bf16", "mpx-bf16"], choices=S.SYSTEMS)
@@ -121,27 +134,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--mode", choices=sorted(D.MODES), default="cublas")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--label", default="", help="a name for the output files (kernel-breakdown-<label>-<date>)")
+    ap.add_argument(
+        "--hlo-dir",
+        type=Path,
+        help="read the steps `python -m benchmarks.gpu --target h100 --save-hlo DIR` saved instead of "
+        "compiling the small GPT: DIR/<step>-<system>.hlo.gz (and its .json, for the peak)",
+    )
+    ap.add_argument("--step", default="gpt2-small-x1-cublas", help="with --hlo-dir: <model>-x<batch>-<mode>")
     args = ap.parse_args(argv)
-    cfg = S.GPTConfig(vocab=args.vocab, seq=1024, width=768, depth=args.depth, heads=12)
-    task = S._gpt_task("gpt", cfg, args.batch, shapes_only=True)
-    sharding = D.target_sharding("h100")
     t0 = time.perf_counter()
     report: dict[str, Any] = {
         "command": "python -m benchmarks.kernel_breakdown " + " ".join(sys.argv[1:] if argv is None else argv),
         "meta": C.metadata(),
-        "description": task.description,
-        "mode": args.mode,
         "softmax_custom_jvp": bool(jax.config.jax_softmax_custom_jvp),
         "systems": {},
     }
-    for system in args.systems:
-        compiled = D.compile_step(task, system, args.mode, sharding)
-        parts, mem = breakdown(compiled.as_text()), D.memory(compiled)
+    if args.hlo_dir is not None:
+        saved = {s: _saved_step(args.hlo_dir, args.step, s) for s in args.systems}
+        commits = ", ".join(sorted({str(c) for _, _, c in saved.values()}))
+        report["description"] = (
+            f"The benchmark step {args.step} as `python -m benchmarks.gpu --target h100 --save-hlo` "
+            f"saved it (commit {commits})"
+        )
+        report["mode"] = args.step.rsplit("-", 1)[-1]
+        steps = {s: (hlo, peak) for s, (hlo, peak, _) in saved.items()}
+    else:
+        cfg = S.GPTConfig(vocab=args.vocab, seq=1024, width=768, depth=args.depth, heads=12)
+        task = S._gpt_task("gpt", cfg, args.batch, shapes_only=True)
+        report["description"], report["mode"] = task.description, args.mode
+        sharding = D.target_sharding("h100")
+        steps: dict[str, tuple[str, int]] = {}
+        for system in args.systems:
+            compiled = D.compile_step(task, system, args.mode, sharding)
+            steps[system] = (compiled.as_text(), D.memory(compiled)["peak"])
+    for system, (hlo, peak) in steps.items():
+        parts = breakdown(hlo)
         report["systems"][system] = {
             "ms": sum(r["ms"] for r in parts.values()),
             "MiB": sum(r["MiB"] for r in parts.values()),
             "kernels": sum(r["kernels"] for r in parts.values()),
-            "peak_MiB": mem["peak"] / 2**20,
+            "peak_MiB": peak / 2**20,
             "parts": parts,
         }
         print(f"{system}: {report['systems'][system]['ms']:.3f} ms modeled", flush=True)

@@ -6,6 +6,9 @@ benchmark's (run in docs/gpu-benchmark.md, not here)."""
 
 from __future__ import annotations
 
+import gzip
+import json
+
 import pytest
 
 from autocast import _compat
@@ -65,3 +68,24 @@ def test_benchmark_metadata_names_the_jax_flags_that_change_the_program():
         meta = C.metadata()
         assert meta["jax_flags"].get("jax_softmax_custom_jvp") is True
         assert "- JAX flags on: jax_softmax_custom_jvp" in C.metadata_markdown(meta)
+
+
+def test_saved_steps_are_read_instead_of_compiled(tmp_path):
+    """``--hlo-dir``: the steps ``benchmarks.gpu --save-hlo`` wrote (``<step>-<system>.hlo.gz``
+    and its ``.json``) are broken down as they are, their peaks and commit carried over."""
+    for system, peak in (("autocast-bf16", 3 * 2**20), ("mpx-bf16", 5 * 2**20)):
+        with gzip.open(tmp_path / f"m-x1-cublas-{system}.hlo.gz", "wt") as f:
+            f.write(HLO)
+        (tmp_path / f"m-x1-cublas-{system}.json").write_text(
+            json.dumps({"memory": {"peak": peak}, "git_commit": "abc"})
+        )
+    out = tmp_path / "out"
+    report = K.main(["--hlo-dir", str(tmp_path), "--step", "m-x1-cublas", "--out-dir", str(out), "--label", "t"])
+    want = sum(c.time_s for c in H.kernel_costs(HLO)) * 1e3
+    for system, peak_mib in (("autocast-bf16", 3), ("mpx-bf16", 5)):
+        assert report["systems"][system]["ms"] == pytest.approx(want)
+        assert report["systems"][system]["peak_MiB"] == peak_mib
+    assert report["mode"] == "cublas" and "commit abc" in report["description"]
+    assert len(list(out.glob("kernel-breakdown-t-*.md"))) == 1
+    with pytest.raises(SystemExit, match="no m-x4-cublas-autocast-bf16.hlo.gz"):
+        K.main(["--hlo-dir", str(tmp_path), "--step", "m-x4-cublas", "--out-dir", str(out)])
