@@ -11,7 +11,9 @@ layer norm, linear layers, the optimizer update, the rest) and whether the kerne
 forward work in the backward pass (``rematted_computation``). Writes
 ``benchmarks/results/kernel-breakdown[-<label>]-<date>.{md,json}`` (the JAX flag
 ``jax_softmax_custom_jvp``, which changes how ``jax.nn.softmax`` is differentiated, is
-recorded: set ``JAX_SOFTMAX_CUSTOM_JVP=1`` to compare). A model over compile-time facts:
+recorded: set ``JAX_SOFTMAX_CUSTOM_JVP=1`` to compare). ``--hlo-dir DIR --step
+gpt2-small-x1-cublas`` breaks down full benchmark steps instead: those ``python -m
+benchmarks.gpu --target h100 --save-hlo DIR`` compiled. A model over compile-time facts:
 no timings; op names follow XLA's choice of a fusion's root, so compare parts summed over
 both passes, not single rows.
 """
@@ -84,7 +86,8 @@ def render(report: dict[str, Any]) -> str:
         C.metadata_markdown(report["meta"]),
         "",
         f"{report['description']}; GEMM mode {report['mode']}; `jax_softmax_custom_jvp` "
-        f"{report['softmax_custom_jvp']}. Modeled time (the roofline model of "
+        f"{'as when compiled' if report['softmax_custom_jvp'] is None else report['softmax_custom_jvp']}. "
+        "Modeled time (the roofline model of "
         "`benchmarks/hlo_model.py`: a model over the compiled program, not a measurement) and HBM "
         "traffic per group of kernels, grouped by the op name XLA gives each kernel.",
         "",
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"saved it (commit {commits})"
         )
         report["mode"] = args.step.rsplit("-", 1)[-1]
+        report["softmax_custom_jvp"] = None  # as when the steps were compiled (their report's meta)
         steps = {s: (hlo, peak) for s, (hlo, peak, _) in saved.items()}
     else:
         cfg = S.GPTConfig(vocab=args.vocab, seq=1024, width=768, depth=args.depth, heads=12)
