@@ -159,12 +159,9 @@ for _prim, _param in ((_compat.jit_p, "jaxpr"), (_compat.closed_call_p, "call_ja
 
 
 def checkpoint_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
-    """The pull rule of a checkpoint (``checkpoint`` or ``RematTraced``), and of a
-    ``CustomJVPTraced`` (:func:`custom_jvp_pulls`)."""
+    """The pull rule of a checkpoint (``checkpoint`` or ``RematTraced``)."""
     parts = _compat.remat_parts(eqn)
     if parts is None:
-        if _compat.hi_name(eqn) == "CustomJVPTraced":
-            return custom_jvp_pulls(ctx, eqn, scopes, out32)
         return [False] * len(eqn.invars)
     return _plan.input_pulls(ctx, parts[0], scopes, out32)
 
@@ -179,12 +176,10 @@ def custom_jvp_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool
     first it was ``-inf``, and a fully masked row NaN). Nothing more is kept: the island is
     recomputed from the half-precision scores. Any other custom JVP call takes its
     operands as they arrive (its rule would otherwise run, and save, in float32)."""
-    parts = _compat.custom_jvp_parts(eqn)
+    parts = _compat.custom_jvp_parts(eqn)  # its body's invars: the operands, one to one
     if parts is None or not call_computes_in_float32(ctx, eqn, scopes, out32):
         return [False] * len(eqn.invars)
-    body = _compat.open_and_consts(parts.body)[0]
-    if len(body.invars) != len(eqn.invars):
-        return [False] * len(eqn.invars)
+    # inside the island nothing is kept at the body's boundary: no input is too risky to pull
     return _plan.input_pulls(ctx.without_islands(), parts.body, scopes, out32)
 
 

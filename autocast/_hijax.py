@@ -29,6 +29,7 @@ from ._higher_order import (
     checkpoint,
     checkpoint_pulls,
     custom_jvp,
+    custom_jvp_pulls,
     custom_vjp,
     hi_original,
 )
@@ -38,6 +39,12 @@ from ._registry import register_higher_order
 
 def _float32_call(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> bool:
     return _compat.hi_name(eqn) == "CustomJVPTraced" and call_computes_in_float32(ctx, eqn, scopes, out32)
+
+
+def _pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
+    if _compat.hi_name(eqn) == "CustomJVPTraced":
+        return custom_jvp_pulls(ctx, eqn, scopes, out32)
+    return checkpoint_pulls(ctx, eqn, scopes, out32)
 
 
 def _checkpoint_name(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
@@ -57,9 +64,7 @@ def _scan3(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, o
     return _compat.scan3_bind(eqn, new, extra, invals), out_free
 
 
-@register_higher_order(
-    _compat.call_hi_primitive_p, pulls=checkpoint_pulls, body=_compat.narrow_body, float32_call=_float32_call
-)
+@register_higher_order(_compat.call_hi_primitive_p, pulls=_pulls, body=_compat.narrow_body, float32_call=_float32_call)
 def _call_hi(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     if _compat.remat_parts(eqn) is not None:
         return checkpoint(ctx, eqn, invals, in_free, scopes, out32)

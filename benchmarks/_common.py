@@ -100,19 +100,13 @@ def metadata() -> dict[str, Any]:
     }
 
 
-# JAX's upgrade flags that change the program a train step compiles to (how softmax is
-# differentiated, the encodings of checkpoint, custom derivatives and scan)
-_PROGRAM_FLAGS = ("softmax_custom_jvp", "remat3", "custom_jvp3", "custom_vjp3", "scan3")
-
-
 def jax_flags() -> dict[str, bool]:
-    """The program-changing JAX upgrade flags that are on in this run (``jax_<name>``)."""
-    on = {}
-    for name in _PROGRAM_FLAGS:
-        value = getattr(jax.config, f"jax_{name}", None)
-        if value:
-            on[f"jax_{name}"] = True
-    return on
+    """JAX's upgrade flags that are on in this run and change the program a step compiles to
+    (``autocast._compat.HIJAX_FLAGS``: how softmax is differentiated, the encodings of
+    checkpoint, custom derivatives and scan), as ``{"jax_<name>": True}``."""
+    from autocast import _compat
+
+    return {f"jax_{name}": True for name in _compat.HIJAX_FLAGS if _compat.flag_on(name)}
 
 
 def metadata_markdown(meta: dict[str, Any]) -> str:
