@@ -16,7 +16,7 @@ from ._amp import _combine, _is_array, _partition, _transform, check_remat_float
 from ._interpreter import Context, _rule_name
 from ._policy import AMP_STOP, default_amp_policy, validate_policy
 
-_RULE_NAMES = {rule: name for name, rule in _rules.CATEGORIES.items()}
+_RULE_NAMES = {rule: name for name, rule in _rules.CATEGORIES.items()} | {_rules.select_in_float32: "float32"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +133,10 @@ class _Observer:
             return
         rule_name = _RULE_NAMES.get(rule) or _rule_name(rule)
         looked, why = self.ctx.lookup.rule_and_reason(eqn.primitive, scopes)
-        if rule is _rules.use_float32_precision and looked is not rule:
+        if rule in (_rules.use_float32_precision, _rules.select_in_float32) and looked is not rule:
             why = "pulled to float32 by its consumers"
+        if rule is _rules.select_in_float32 and _dtype(arrived[0]) != _dtypes.FLOAT32:
+            why += "; selects from its own float32 conversion, cotangent in half"
         self._add(eqn, rule_name, why, scopes, path, mult, arrived, bound, outs, island)
 
     def _add(self, eqn, rule_name, why, scopes, path, mult, arrived, bound, outs, island) -> None:

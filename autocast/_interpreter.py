@@ -462,7 +462,7 @@ def _eval_eqn(
             # operands the bodies consume only in float32: cast once, here, so every
             # float32 consumer of the value (inside and outside) reads the same value
             invals = [
-                _dtypes.cast(x, _dtypes.FLOAT32) if p and _dtypes.is_castable(v.aval.dtype) else x
+                _dtypes.cast(x, _dtypes.FLOAT32) if p is True and _dtypes.is_castable(v.aval.dtype) else x
                 for x, p, v in zip(invals, pulls, eqn.invars)
             ]
             hctx = ctx.narrowing(outn) if any(outn) else ctx

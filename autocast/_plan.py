@@ -50,6 +50,11 @@ LINEAR = LAYOUT | {
 }
 STOP, HIGHER, RULE = "stop", "higher", "rule"
 
+SELECTED = "selected"
+"""A pull flag (see :func:`input_pulls`): the operand is consumed only in float32, but
+only through slices or gathers that convert it themselves (``_rules.select_in_float32``):
+it is handed over in the dtype it arrives in, not cast outside."""
+
 # Operations that commute with rounding to a narrower float dtype: ``op(round(x)) ==
 # round(op(x))`` for any operand values (rounding is monotone and symmetric; these only
 # move, select or compare values). A float32 value that reaches a half-precision consumer
@@ -113,7 +118,7 @@ def plan(
     a float32 result (:mod:`autocast._wide`) instead of rounding it to half precision for
     nothing.
     """
-    steps, island, wants32, narrow = _plan(ctx, jaxpr, scopes, out_float32, out_narrow)
+    steps, island, wants32, narrow, _ = _plan(ctx, jaxpr, scopes, out_float32, out_narrow)
     wide = _wide_matmuls(jaxpr, steps, wants32)
     return Plan(steps, island, narrow, wide, _bias_sums(jaxpr, steps), _statistics(jaxpr, steps))
 
@@ -278,8 +283,11 @@ def _plan(
         ):
             f32_made.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
 
-    # Backward: which float vars are consumed only in float32.
+    # Backward: which float vars are consumed only in float32; and which of those a slice or
+    # a gather that converts them itself reads (``selected``: they stay in the dtype they
+    # arrive in, and so does data movement that only leads to such readers).
     wants32: dict[Any, bool] = {}
+    selected: set = set()
     for v, is32 in zip(jaxpr.outvars, out_float32):
         if not isinstance(v, _compat.Literal):
             wants32[v] = wants32.get(v, True) and bool(is32)
@@ -295,6 +303,8 @@ def _plan(
             for v, flag in zip(eqn.invars, flags):
                 if not isinstance(v, _compat.Literal) and _dtypes.is_castable(v.aval.dtype):
                     wants32[v] = wants32.get(v, True) and bool(flag)
+                    if flag == SELECTED:
+                        selected.add(v)
             continue
         if kind == RULE and rule is _rules.use_float32_precision:
             pulls = True
@@ -304,8 +314,17 @@ def _plan(
             # in and its float32 readers cast its result, so a ``where`` on a half activation
             # before ``expm1`` (``elu``) hands a half value, not a float32 copy, to the island)
             if float_outs and all(wants32.get(v, False) for v in float_outs) and eqn.primitive.name != "select_n":
+                # (a slice or a gather that reads each element once takes a half operand
+                # as it arrives and converts it itself, ``_rules.select_in_float32``; data
+                # movement on the way to one gains nothing in float32 and stays as it is)
                 pulls = True
-                steps[i] = (RULE, _rules.use_float32_precision)
+                if _reads_each_once(eqn):
+                    steps[i] = (RULE, _rules.select_in_float32)
+                    selected.add(eqn.invars[0])
+                elif eqn.primitive.name in LAYOUT and len(eqn.invars) == 1 and any(v in selected for v in float_outs):
+                    selected.add(eqn.invars[0])
+                else:
+                    steps[i] = (RULE, _rules.use_float32_precision)
             elif any(v in f32_made for v in eqn.invars if not isinstance(v, _compat.Literal)):
                 pulls = True  # mixes with a float32 result: runs in float32 anyway
         for v in eqn.invars:
@@ -322,7 +341,30 @@ def _plan(
     island, alone = _islands(ctx, jaxpr, steps, scopes, narrow)
     if alone:
         island, _ = _islands(ctx, jaxpr, steps, scopes, narrow, frozenset(alone))
-    return steps, island, wants32, narrow
+    return steps, island, wants32, narrow, selected
+
+
+def _reads_each_once(eqn: Any) -> bool:
+    """Whether ``eqn`` only selects a part of its operand, reading each element at most once
+    (a slice; a gather with unique indices or a single index tuple per batch element:
+    ``take_along_axis`` of one label per row): it commutes with any rounding and its
+    transpose writes each cotangent element once, summing nothing."""
+    name = eqn.primitive.name
+    if name in ("slice", "dynamic_slice"):
+        return True
+    if name != "gather":
+        return False
+    dnums, indices = eqn.params["dimension_numbers"], eqn.invars[1].aval
+    if eqn.params.get("unique_indices", False) and all(
+        eqn.params["slice_sizes"][d] == 1 for d in dnums.start_index_map
+    ):
+        return True  # (unique start indices of windows wider than 1 may still overlap)
+    batching = set(getattr(dnums, "start_indices_batching_dims", ()))
+    per_batch = 1
+    for d in range(indices.ndim - 1):  # the last dimension holds the index vectors
+        if d not in batching:
+            per_batch *= indices.shape[d]
+    return per_batch == 1
 
 
 def _islands(
@@ -357,7 +399,10 @@ def _islands(
         else:
             joins = (
                 rule is _rules.use_float32_precision
-                or (rule in (_rules.use_input_precision, _rules.use_widest_precision) and any(v in f32 for v in ins))
+                or (
+                    rule in (_rules.use_input_precision, _rules.use_widest_precision, _rules.select_in_float32)
+                    and any(v in f32 for v in ins)
+                )
                 or (rule is _rules.use_original_precision and outs32)
             )
         if joins:
@@ -439,7 +484,7 @@ def narrow_inputs(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_narrow
     def build():
         open_, _ = _compat.open_and_consts(jaxpr_like)
         out32 = [False] * len(open_.outvars)
-        steps, _, _, narrow = _plan(ctx, open_, scopes, out32, out_narrow)
+        steps, _, _, narrow, _ = _plan(ctx, open_, scopes, out32, out_narrow)
         outs = {v for v in open_.outvars if not isinstance(v, _compat.Literal)}
         return [v in narrow and v not in outs for v in open_.invars]
 
@@ -466,7 +511,7 @@ def input_pulls(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_float32:
 
     def build():
         open_, _ = _compat.open_and_consts(jaxpr_like)
-        steps, _, wants32, _ = _plan(ctx, open_, scopes, out_float32)
+        steps, _, wants32, _, selected = _plan(ctx, open_, scopes, out_float32)
         risky: set = set()  # vars whose float32 value a non-linear operation would keep
         for eqn, (kind, rule) in reversed(list(zip(open_.eqns, steps))):
             outs_risky = any(v in risky for v in eqn.outvars)
@@ -483,7 +528,10 @@ def input_pulls(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_float32:
         flags = []
         for v in open_.invars:
             wanted = _dtypes.is_castable(v.aval.dtype) and v not in out_set and wants32.get(v, False)
-            flags.append(bool(wanted and (not ctx.remat or v not in risky)))
+            if wanted and v in selected:
+                flags.append(SELECTED)
+            else:
+                flags.append(bool(wanted and (not ctx.remat or v not in risky)))
         return flags
 
     return list(ctx.cached(("pulls", scopes, tuple(bool(f) for f in out_float32)), jaxpr_like, build))

@@ -18,12 +18,14 @@ here skip them.
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
-from . import _dtypes, _fp8
+from . import _compat, _dtypes, _fp8
 
 Rule = Callable[..., tuple[Sequence[Any], dict[str, Any]]]
 
@@ -108,6 +110,43 @@ def use_float32_precision(compute_dtype, original_dtypes, *invars, **params):
     """
     idx = _castable_pairs(original_dtypes, invars)
     return _cast_all(invars, idx, _dtypes.FLOAT32), _with_preferred(params, _dtypes.FLOAT32)
+
+
+def select_in_float32(compute_dtype, original_dtypes, *invars, **params):
+    """:func:`use_float32_precision` for a slice or a gather that reads each element of its
+    operand at most once, which the planner switches to float32 because every reader of its
+    result computes in float32 (the label logit of a cross-entropy). Its ``binder`` takes a
+    half-precision operand through a custom JVP: the result is selected from the operand's
+    float32 conversion (the very value the other float32 readers of the operand convert to,
+    so XLA's excess precision cannot give the two paths different roundings), but the
+    tangent is selected in half precision and converted after, so the backward pass
+    scatters a half-precision cotangent, of the operand's size, that XLA folds into the
+    operand's other cotangents, instead of a float32 one. The rule itself leaves the operand
+    as it arrives (the binder converts it); a float32 operand is selected as it is."""
+    return list(invars), params
+
+
+def _bind_select_in_float32(ctx, eqn, arrived, cast, params):
+    x = arrived[0]
+    half = _dtypes.dtype_of(x)
+    if not _dtypes.is_castable(half) or half == _dtypes.FLOAT32 or len(eqn.outvars) != 1:
+        return None
+    bind = functools.partial(_compat.bind, eqn.primitive, params=params)
+
+    def select(x, *rest):
+        return bind([_dtypes.cast(x, _dtypes.FLOAT32), *rest])[0]
+
+    select.__name__ = select.__qualname__ = f"{eqn.primitive.name}_in_float32"  # names the call in jaxprs
+    select = jax.custom_jvp(select)
+
+    @select.defjvp
+    def _select_jvp(primals, tangents):
+        return select(*primals), _dtypes.cast(bind([tangents[0], *primals[1:]])[0], _dtypes.FLOAT32)
+
+    return [select(x, *cast[1:])]
+
+
+select_in_float32.binder = _bind_select_in_float32  # type: ignore[attr-defined]
 
 
 def use_original_precision(compute_dtype, original_dtypes, *invars, **params):
