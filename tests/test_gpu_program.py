@@ -50,6 +50,7 @@ pytest.importorskip(
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
 from helpers import fp8_every_matmul  # noqa: E402
 
 import autocast  # noqa: E402
@@ -332,6 +333,45 @@ def test_gelu_mlp_step_writes_no_float32_activation(monkeypatch):
     assert _gelu_mlp_f32_results() == []
     monkeypatch.setattr(autocast._interpreter, "_bias_into_float32", lambda *a: [])
     assert _gelu_mlp_f32_results() != []  # the control: the float32 tanh written out
+
+
+def _lm_head_costs(amp_policy=None) -> tuple[list[str], int]:
+    """The float32 logits-sized results of the kernels of an LM head's bfloat16 gradient
+    (512 tokens, 256 -> 8,192 classes, optax's integer-label cross-entropy), and the step's
+    modeled HBM bytes."""
+    k = jax.random.split(jax.random.key(0), 2)
+    w = jax.random.normal(k[0], (256, 8192)) / 16
+    x = jax.random.normal(k[1], (512, 256))
+    y = jnp.zeros((512,), jnp.int32)
+
+    def loss(w, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean()
+
+    step = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16, amp_policy=amp_policy)))
+    hlo = step.lower(*D.abstract((w, x, y), _sharding())).compile().as_text()
+    entry, comps = H.parse(hlo)
+    f32 = [
+        ins.shape
+        for ins, _ in H.kernels(entry, comps)
+        for dt, dims in H.arrays(ins.shape)
+        if dt == "f32" and math.prod(dims) == 512 * 8192
+    ]
+    return f32, sum(k.bytes for k in H.kernel_costs(hlo))
+
+
+def test_lm_head_step_scatters_the_label_cotangent_in_half():
+    """Issue 28: the label logit's gather selects from a float32 conversion of the
+    half-precision logits, but its transpose scatters into a half-precision buffer that XLA
+    adds in place into the softmax's cotangent: no kernel writes a float32 value of the
+    logits' size. The control: with every gather run in float32 by the policy (JAX's own
+    transpose of the float32 gather), the float32 zeros and scatter are back and the step
+    moves more bytes."""
+    f32, nbytes = _lm_head_costs()
+    assert f32 == []
+    policy = autocast.extend_policy({jax.lax.gather_p: autocast.use_float32_precision})
+    f32_old, nbytes_old = _lm_head_costs(policy)
+    assert f32_old != []
+    assert nbytes < 0.85 * nbytes_old, (nbytes, nbytes_old)
 
 
 def _attention_step_costs() -> tuple[int, int]:
