@@ -317,12 +317,14 @@ def _plan(
                 # (a slice or a gather that reads each element once takes a half operand
                 # as it arrives and converts it itself, ``_rules.select_in_float32``; data
                 # movement on the way to one gains nothing in float32 and stays as it is)
-                pulls = True
+                pulls, operand = True, eqn.invars[0]
                 if _reads_each_once(eqn):
                     steps[i] = (RULE, _rules.select_in_float32)
-                    selected.add(eqn.invars[0])
+                    if not isinstance(operand, _compat.Literal):
+                        selected.add(operand)
                 elif eqn.primitive.name in LAYOUT and len(eqn.invars) == 1 and any(v in selected for v in float_outs):
-                    selected.add(eqn.invars[0])
+                    if not isinstance(operand, _compat.Literal):
+                        selected.add(operand)
                 else:
                     steps[i] = (RULE, _rules.use_float32_precision)
             elif any(v in f32_made for v in eqn.invars if not isinstance(v, _compat.Literal)):

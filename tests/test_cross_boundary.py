@@ -274,3 +274,19 @@ def test_selects_read_in_float32_scatter_back_in_half_unless_they_sum(case):
     )
     hvp = lambda fn: jax.jvp(jax.grad(lambda w: fn(w, x)), (w,), (t,))[1]  # noqa: E731
     np.testing.assert_allclose(hvp(new), hvp(by_hand), rtol=1e-5, atol=1e-6)
+
+
+def test_selection_of_a_broadcast_constant_read_in_float32():
+    """A slice of a broadcast literal (``jnp.full``) that a float32 operation reads: the
+    planner looks through the broadcast to a literal operand (it crashed on it once)."""
+
+    def f(w, x):
+        y = x @ w
+        fill = jnp.broadcast_to(jnp.float32(0.5), y.shape)
+        return jnp.sum(jnp.exp(fill[:, 2:4])) + jnp.sum(jnp.exp((fill * y)[:, 1:3])) + jnp.sum(y @ w.T)
+
+    w = jnp.linspace(-1.0, 1.0, 128).reshape(16, 8)
+    x = jnp.linspace(-2.0, 2.0, 96).reshape(6, 16)
+    amp_f = autocast.amp(f, compute_dtype=jnp.bfloat16)
+    np.testing.assert_allclose(amp_f(w, x), f(w, x), rtol=2e-2)
+    np.testing.assert_allclose(jax.grad(amp_f)(w, x), jax.grad(f)(w, x), rtol=5e-2, atol=5e-2)
