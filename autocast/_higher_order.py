@@ -102,7 +102,7 @@ def _call_like(param: str) -> Handler:
 def _body_pulls(param: str):
     """The pull rule of a primitive whose body's invars are its operands, one to one."""
 
-    def pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
+    def pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool | str]:
         return _plan.input_pulls(ctx, eqn.params[param], scopes, out32)
 
     return pulls
@@ -158,7 +158,7 @@ for _prim, _param in ((_compat.jit_p, "jaxpr"), (_compat.closed_call_p, "call_ja
     )
 
 
-def checkpoint_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
+def checkpoint_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool | str]:
     """The pull rule of a checkpoint (``checkpoint`` or ``RematTraced``)."""
     parts = _compat.remat_parts(eqn)
     if parts is None:
@@ -166,7 +166,7 @@ def checkpoint_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool
     return _plan.input_pulls(ctx, parts[0], scopes, out32)
 
 
-def custom_jvp_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
+def custom_jvp_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool | str]:
     """The pull rule of a custom JVP call that is part of a float32 island
     (:func:`call_computes_in_float32`: ``jax.nn.softmax`` under ``jax_softmax_custom_jvp``,
     ``softplus``): the operands its body consumes only in float32 are taken in float32, so
@@ -461,7 +461,7 @@ def hi_original(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tup
 # --- loops: carries keep the dtype of their initial value (or the unrolled loop's) ----
 
 
-def _scan_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
+def _scan_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool | str]:
     """Constants and scanned-over inputs the body consumes only in float32 (carries keep
     the dtype their initial value arrives in, so they are never pulled)."""
     n_consts, n_carry = _compat.scan_counts(eqn.params)

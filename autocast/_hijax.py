@@ -41,7 +41,7 @@ def _float32_call(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) 
     return _compat.hi_name(eqn) == "CustomJVPTraced" and call_computes_in_float32(ctx, eqn, scopes, out32)
 
 
-def _pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool]:
+def _pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool | str]:
     if _compat.hi_name(eqn) == "CustomJVPTraced":
         return custom_jvp_pulls(ctx, eqn, scopes, out32)
     return checkpoint_pulls(ctx, eqn, scopes, out32)

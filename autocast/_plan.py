@@ -498,9 +498,11 @@ def narrow_inputs(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_narrow
 _NO_RESIDUAL = LINEAR | {"gather", "dynamic_update_slice", "squeeze", "expand_dims"}
 
 
-def input_pulls(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> list[bool]:
+def input_pulls(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> list[bool | str]:
     """Which inputs of a (closed or open) sub-jaxpr are consumed only in float32, given
-    which of its outputs are; memoised per jaxpr.
+    which of its outputs are; memoised per jaxpr. A flag is True (cast it outside), False,
+    or :data:`SELECTED` (read in float32 only through selections that convert it: hand it
+    over as it arrives).
 
     With ``ctx.remat`` an input counts only if nothing inside the body would have to keep
     it, or a value derived from it, in float32 for the backward pass: it may flow through

@@ -15,11 +15,13 @@ free flags, ``out_float32[i]`` says that every consumer of output ``i`` reads it
 A *pull rule* tells the planner which operands the equation's bodies consume only in
 float32 (and can be handed a float32 value without storing more for the backward pass)::
 
-    pulls(ctx, eqn, scopes, out_float32) -> list[bool]   # one flag per operand
+    pulls(ctx, eqn, scopes, out_float32) -> list[bool | str]   # one flag per operand
 
 The planner treats passing a value into such an operand as a float32 consumer, and the
 interpreter casts that value once, outside, so every float32 consumer reads the same
-float32 value.
+float32 value; except for the flag ``_plan.SELECTED`` (the bodies read the operand in
+float32 only through slices or gathers that convert it themselves): a float32 consumer
+for the planner, handed over as it arrives.
 """
 
 from __future__ import annotations
