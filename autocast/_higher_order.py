@@ -12,7 +12,9 @@ trip through float32 at each boundary would cost memory and converts:
 
 - ``jit`` / ``closed_call`` / ``checkpoint``: the body is specialised to the dtypes its
   operands arrive in; outputs keep whatever dtype the body computes. Operands the body
-  consumes only in float32 (through gathers, slices, additions) are cast once, outside.
+  consumes only in float32 (through data movement, additions) are cast once, outside;
+  those it reads only through slices or gathers that read each element once are handed
+  over as they arrive (``_plan.SELECTED``: the selection converts them itself).
 - ``custom_jvp_call`` / ``custom_vjp_call``: rebuilt through ``jax.custom_jvp`` /
   ``jax.custom_vjp`` (their pieces, and those of the hijax encodings that
   :mod:`autocast._hijax` dispatches here, come through ``_compat`` adapters). The body, the JVP rule and the forward rule run in the dtypes their

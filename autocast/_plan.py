@@ -510,7 +510,8 @@ def input_pulls(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_float32:
     outputs or into nested bodies that pull it, but not into a non-linear operation (a
     float32 island would then store the float32 value instead of the half-precision one;
     such inputs stay half and are cast inside the body's island). ``x - mean(x)`` followed
-    by a square (a variance) keeps ``x`` half; a gather of logits takes them in float32.
+    by a square (a variance) keeps ``x`` half; the label gather of a cross-entropy takes
+    the logits as they arrive (:data:`SELECTED`).
     """
 
     def build():
