@@ -317,16 +317,16 @@ def _plan(
                 # (a slice or a gather that reads each element once takes a half operand
                 # as it arrives and converts it itself, ``_rules.select_in_float32``; data
                 # movement on the way to one gains nothing in float32 and stays as it is)
-                pulls, operand = True, eqn.invars[0]
+                pulls = True
+                passes_on = (
+                    eqn.primitive.name in LAYOUT and len(eqn.invars) == 1 and any(v in selected for v in float_outs)
+                )
                 if _reads_each_once(eqn):
                     steps[i] = (RULE, _rules.select_in_float32)
-                    if not isinstance(operand, _compat.Literal):
-                        selected.add(operand)
-                elif eqn.primitive.name in LAYOUT and len(eqn.invars) == 1 and any(v in selected for v in float_outs):
-                    if not isinstance(operand, _compat.Literal):
-                        selected.add(operand)
-                else:
+                elif not passes_on:
                     steps[i] = (RULE, _rules.use_float32_precision)
+                if steps[i][1] is not _rules.use_float32_precision and not isinstance(eqn.invars[0], _compat.Literal):
+                    selected.add(eqn.invars[0])  # (not a broadcast literal: nothing to hand over)
             elif any(v in f32_made for v in eqn.invars if not isinstance(v, _compat.Literal)):
                 pulls = True  # mixes with a float32 result: runs in float32 anyway
         for v in eqn.invars:

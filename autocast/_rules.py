@@ -113,9 +113,9 @@ def use_float32_precision(compute_dtype, original_dtypes, *invars, **params):
 
 
 def select_in_float32(compute_dtype, original_dtypes, *invars, **params):
-    """:func:`use_float32_precision` for a slice or a gather that reads each element of its
-    operand at most once, which the planner switches to float32 because every reader of its
-    result computes in float32 (the label logit of a cross-entropy). Its ``binder`` takes a
+    """The planner's float32 rule for a slice or a gather that reads each element of its
+    operand at most once and whose every reader computes in float32 (the label logit of a
+    cross-entropy); not a policy category. Its ``binder`` takes a
     half-precision operand through a custom JVP: the result is selected from the operand's
     float32 conversion (the very value the other float32 readers of the operand convert to,
     so XLA's excess precision cannot give the two paths different roundings), but the
@@ -128,9 +128,8 @@ def select_in_float32(compute_dtype, original_dtypes, *invars, **params):
 
 def _bind_select_in_float32(ctx, eqn, arrived, cast, params):
     x = arrived[0]
-    half = _dtypes.dtype_of(x)
-    if not _dtypes.is_castable(half) or half == _dtypes.FLOAT32 or len(eqn.outvars) != 1:
-        return None
+    if not _dtypes.is_castable(_dtypes.dtype_of(x)) or _dtypes.dtype_of(x) == _dtypes.FLOAT32:
+        return None  # selected as it is
     bind = functools.partial(_compat.bind, eqn.primitive, params=params)
 
     def select(x, *rest):
