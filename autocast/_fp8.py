@@ -7,7 +7,9 @@ like :func:`autocast.use_compute_precision` (a matmul in the compute dtype) and 
 
 - forward: each operand quantized to ``float8_e4m3fn`` with its own per-tensor *current*
   scale (``amax / fp8 max``, amax in float32; q 0 where amax is 0; values clipped before the
-  cast), viewed as ``[batch, rows, contracted]`` (contracted dimension minor, the layout
+  cast); a parameter or input as it arrives, a computed operand from the compute-dtype
+  value the matmul it replaces would read (so a float32 producer writes half precision
+  for the amax and quantizing kernels); viewed as ``[batch, rows, contracted]`` (contracted dimension minor, the layout
   cuBLASLt's float8 GEMMs read), the fp8 operands passed to ``lax.dot_general`` with the
   compute dtype as ``preferred_element_type`` (float32 accumulation) and the product
   multiplied by ``c * amax_x * amax_w`` (the form XLA-GPU rewrites into one cuBLASLt fp8
@@ -107,7 +109,7 @@ def quantize(x: Any, dtype: Any = E4M3) -> tuple[jax.Array, jax.Array]:
 def _quantize(x: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
     """``(q, amax)``: the scale's scalar arithmetic is left to the consumers (XLA fuses it
     into the quantising and the GEMM-epilogue kernels instead of launching one per scalar)."""
-    amax = jnp.max(jnp.abs(lax.convert_element_type(x, np.float32)))
+    amax = jnp.max(jnp.abs(_widen(x)))
     return _quantize_with(x, amax, dtype), amax
 
 
@@ -117,7 +119,18 @@ def _quantize_with(x: Any, amax: Any, dtype: Any) -> jax.Array:
     dtype = np.dtype(dtype)
     fmax = float(jnp.finfo(dtype).max)
     inv = jnp.where(amax > 0, fmax / amax, 0.0)
-    return jnp.clip(lax.convert_element_type(x, np.float32) * inv, -fmax, fmax).astype(dtype)
+    return jnp.clip(_widen(x) * inv, -fmax, fmax).astype(dtype)
+
+
+def _widen(x: Any) -> jax.Array:
+    """``x`` in float32. A bfloat16 ``x`` is widened through its bits (exact: bfloat16 is
+    float32's upper half), which XLA cannot fold with the conversion that rounded it to
+    bfloat16 (``xla_allow_excess_precision``): the producer then writes bfloat16, and the
+    amax and the float8 values are those of the bfloat16 operand the matmul stands for."""
+    if _dtypes.dtype_of(x) != np.dtype(jnp.bfloat16):
+        return lax.convert_element_type(x, np.float32)
+    bits = lax.convert_element_type(lax.bitcast_convert_type(x, np.uint16), np.uint32)
+    return lax.bitcast_convert_type(lax.shift_left(bits, np.uint32(16)), np.float32)
 
 
 def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
@@ -331,6 +344,14 @@ def decide(
     return ok, f"GEMM M={m} N={n} K={k}{f' x{batch}' if batch > 1 else ''}, {verdict}"
 
 
+def _quantized_operands(arrived: Sequence[Any], cast: Sequence[Any], free: Sequence[bool] | None) -> list[Any]:
+    """The values a float8 matmul quantizes: a parameter or input as it arrived (a float32
+    parameter keeps its float32 gradient), a computed operand as the compute-dtype matmul
+    it replaces would read it (its cast): a float32 producer (GELU's island) then writes
+    half precision for the amax and quantizing kernels to read, not float32."""
+    return [arrived[i] if free is None or free[i] else cast[i] for i in range(len(arrived))]
+
+
 class _Float8Rule:
     """A policy rule: cast like ``use_compute_precision``; bind eligible matmuls in float8."""
 
@@ -381,8 +402,9 @@ class _Float8Rule:
         grads = tuple(None if free is None or free[i] else out_dtype for i in range(2))
         if observer is not None and hasattr(observer, "float8_eqns"):
             observer.float8_eqns[id(eqn)] = requantize
+        ops = _quantized_operands(arrived, cast, free)
         dn = params["dimension_numbers"]
-        return [fp8_dot_general(arrived[0], arrived[1], dn, out_dtype, requantize, grads)]
+        return [fp8_dot_general(ops[0], ops[1], dn, out_dtype, requantize, grads)]
 
     def __repr__(self) -> str:
         return self.__name__

@@ -165,6 +165,37 @@ def test_policy_rounds_activation_gradients_like_a_bfloat16_matmul():
         assert err < 0.1, (k, err)
 
 
+def test_computed_operand_is_quantized_from_its_bfloat16_value():
+    """A computed float32 operand (LayerNorm's and tanh's outputs, float32 in their islands)
+    is quantized from the bfloat16 value the bfloat16 matmul it replaces reads: value and
+    gradients equal, bit for bit, those of the same model rounding it to bfloat16 by hand.
+    Before, it was quantized from the float32 value (its amax and float8 values differ)."""
+    p = {"w": jax.random.normal(jax.random.key(0), (32, 64)) / 8, "w2": jax.random.normal(jax.random.key(1), (64, 16))}
+    x = jnp.asarray(_rng(3, 24, 32))
+
+    def loss(p, x, by_hand):
+        h = (x - x.mean(-1, keepdims=True)) * lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+        h = h.astype(jnp.bfloat16) if by_hand else h
+        t = jnp.tanh(h @ p["w"])
+        t = t.astype(jnp.bfloat16) if by_hand else t
+        return jnp.sum((t @ p["w2"]).astype(jnp.float32) ** 2)
+
+    def run(by_hand):
+        f = autocast.amp(lambda p, x: loss(p, x, by_hand), compute_dtype=jnp.bfloat16, amp_policy=FP8)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(p, x)
+
+    (v, (gp, gx)), (v_ref, (gp_ref, gx_ref)) = run(False), run(True)
+    assert float(v) == float(v_ref)
+    for got, ref in ((gp["w"], gp_ref["w"]), (gp["w2"], gp_ref["w2"]), (gx, gx_ref)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    # the control: operands quantized as they arrive, widened by a conversion (as before):
+    # the float32 values are quantized, and the value differs
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_fp8, "_quantized_operands", lambda arrived, cast, free: list(arrived))
+        m.setattr(_fp8, "_widen", lambda x: x.astype(jnp.float32))
+        assert float(run(False)[0]) != float(v_ref)
+
+
 def test_bad_operand_dtype_is_named():
     with pytest.raises(TypeError, match="x has dtype int32"):
         _fp8.fp8_dot_general(jnp.ones((16, 16), jnp.int32), jnp.ones((16, 16)), (((1,), (0,)), ((), ())))

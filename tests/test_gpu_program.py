@@ -297,7 +297,7 @@ def _check_roofline(key: str, roofline: dict) -> None:
         assert value <= limit, f"{key}: {field} {value:,} above the committed {table[key][field]:,} by more than 2 %"
 
 
-def _gelu_mlp_f32_results(monkeypatch=None) -> list[str]:
+def _gelu_mlp_f32_results(amp_policy=None) -> list[str]:
     """The float32 activation-sized results of the kernels of a tanh-GELU MLP's bfloat16
     gradient (384 tokens, 256 -> 512 -> 256, biases)."""
     k = jax.random.split(jax.random.key(0), 3)
@@ -313,7 +313,7 @@ def _gelu_mlp_f32_results(monkeypatch=None) -> list[str]:
         h = jax.nn.gelu(x @ p["w1"] + p["b1"])
         return jnp.mean((h @ p["w2"] + p["b2"]) ** 2)
 
-    step = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16)))
+    step = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16, amp_policy=amp_policy)))
     hlo = step.lower(*D.abstract((p, x), _sharding())).compile().as_text()
     entry, comps = H.parse(hlo)
     return [
@@ -333,6 +333,18 @@ def test_gelu_mlp_step_writes_no_float32_activation(monkeypatch):
     assert _gelu_mlp_f32_results() == []
     monkeypatch.setattr(autocast._interpreter, "_bias_into_float32", lambda *a: [])
     assert _gelu_mlp_f32_results() != []  # the control: the float32 tanh written out
+
+
+def test_fp8_gelu_mlp_step_quantizes_the_activation_from_bfloat16(monkeypatch):
+    """Issue 28: a float8 matmul quantizes a computed operand from the bfloat16 value the
+    matmul it replaces would read, widened through its bits (``autocast._fp8._widen``), so
+    XLA cannot fold the rounding away: GELU's kernel writes bfloat16 and the amax and
+    quantizing kernels read it. The control: widened with a conversion, XLA folds
+    bfloat16 -> float32 into the float32 GELU, which is then written out in float32 and
+    read back by the quantizing kernel."""
+    assert _gelu_mlp_f32_results(fp8_every_matmul()) == []
+    monkeypatch.setattr(autocast._fp8, "_widen", lambda x: x.astype(jnp.float32))
+    assert _gelu_mlp_f32_results(fp8_every_matmul()) != []
 
 
 def _lm_head_costs(amp_policy=None) -> tuple[list[str], int]:
