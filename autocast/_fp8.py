@@ -205,8 +205,14 @@ def _residual(v, q, amax, requantize: bool):
     return _saved(q if _compat.float8_residuals_exact() else lax.bitcast_convert_type(q, np.uint8)), _saved(amax)
 
 
-def _backward_operand(r, amax, canon: _Canon, requantize: bool):
-    """The ``[B, K, rows]`` float8 operand of the backward products from a residual."""
+def _backward_operand(r, amax, canon: _Canon, requantize: bool, recomputed: bool):
+    """The ``[B, K, rows]`` float8 operand of the backward products from a residual. A
+    recomputed activation is quantized in its own layout and the float8 copy transposed:
+    XLA:GPU's transposing kernel (cuBLASLt reads ``[B, K, rows]``) does not take in an
+    expensive recomputation that another kernel also reads (GELU's ``tanh``, read by its
+    derivative too), which would then be written out in float32 and read back."""
+    if requantize and recomputed:
+        return _swap(lax.optimization_barrier(_quantize_with(canon.to(r), amax, E4M3)))
     if requantize:
         return _quantize_with(_swap(canon.to(r)), amax, E4M3)
     return lax.bitcast_convert_type(r, E4M3) if r.dtype == np.uint8 else r
@@ -221,7 +227,7 @@ def _forward(x, w, cx: _Canon, cw: _Canon, out_dtype, requantize: tuple[bool, bo
     return y.reshape((*cx.batch_shape, *cx.kept_shape, *cw.kept_shape)), res
 
 
-def _make(dimension_numbers, x_shape, w_shape, out_dtype, x_dtype, w_dtype, requantize, grad_dtypes):
+def _make(dimension_numbers, x_shape, w_shape, out_dtype, x_dtype, w_dtype, requantize, grad_dtypes, recomputed):
     (xc, wc), (xb, wb) = dimension_numbers
     gx_dtype, gw_dtype = (d if d is not None else o for d, o in zip(grad_dtypes, (x_dtype, w_dtype)))
     cx, cw = _Canon(x_shape, xc, xb), _Canon(w_shape, wc, wb)
@@ -235,8 +241,8 @@ def _make(dimension_numbers, x_shape, w_shape, out_dtype, x_dtype, w_dtype, requ
 
     def bwd(res, g):
         rx, ax, rw, aw = res
-        qx_t = _backward_operand(rx, ax, cx, requantize[0])  # [B, K, M]
-        qw_t = _backward_operand(rw, aw, cw, requantize[1])  # [B, K, N]
+        qx_t = _backward_operand(rx, ax, cx, requantize[0], recomputed[0])  # [B, K, M]
+        qw_t = _backward_operand(rw, aw, cw, requantize[1], recomputed[1])  # [B, K, N]
         m, n = cx.shape[-2], cw.shape[-2]
         qg, ag = _quantize(g.reshape((*cx.shape[:-2], m, n)), E5M2)  # [B, M, N]
         dx = _gemm(qg, qw_t, ag, aw, _INV_E5M2 * _INV_E4M3, gx_dtype)  # [B, M, K]
@@ -254,6 +260,7 @@ def fp8_dot_general(
     out_dtype: Any = jnp.bfloat16,
     requantize: Sequence[bool] = (False, False),
     grad_dtypes: Sequence[Any] = (None, None),
+    recomputed: Sequence[bool] = (False, False),
 ) -> jax.Array:
     """``lax.dot_general(x, w, dimension_numbers)`` as a scaled float8 product.
 
@@ -273,6 +280,9 @@ def fp8_dot_general(
     - `grad_dtypes`: per operand, the dtype its gradient product writes (then cast to the
       operand's dtype); None: the operand's dtype. The compute dtype for an activation
       rounds its gradient as a half-precision matmul would (and halves the buffer).
+    - `recomputed`: per requantized operand, whether the backward pass recomputes it (an
+      activation inside an enclosing checkpoint): quantized in its own layout, its float8
+      copy transposed, so the recomputation fuses with its other readers.
 
     **Returns:** the product, in ``out_dtype``.
 
@@ -291,6 +301,9 @@ def fp8_dot_general(
     if not isinstance(requantize, Sequence) or len(requantize) != 2:
         raise ValueError(f"fp8_dot_general: requantize={requantize!r}; must be two booleans (x, w).")
     rq = (bool(requantize[0]), bool(requantize[1]))
+    if not isinstance(recomputed, Sequence) or len(recomputed) != 2:
+        raise ValueError(f"fp8_dot_general: recomputed={recomputed!r}; must be two booleans (x, w).")
+    rc = (bool(recomputed[0]), bool(recomputed[1]))
     if not isinstance(grad_dtypes, Sequence) or len(grad_dtypes) != 2:
         raise ValueError(f"fp8_dot_general: grad_dtypes={grad_dtypes!r}; must be two dtypes or None (x, w).")
     gd = tuple(None if g is None else np.dtype(g) for g in grad_dtypes)
@@ -298,7 +311,7 @@ def fp8_dot_general(
         if g is not None and g not in _dtypes.CASTABLE:
             raise TypeError(f"fp8_dot_general: grad_dtypes has {g}; allowed: float16, bfloat16, float32 or None.")
     dtypes = (_dtypes.dtype_of(x), _dtypes.dtype_of(w))
-    make = _make(dn, np.shape(x), np.shape(w), np.dtype(out_dtype), *dtypes, rq, gd)
+    make = _make(dn, np.shape(x), np.shape(w), np.dtype(out_dtype), *dtypes, rq, gd, rc)
     return make(x, w)
 
 
@@ -395,7 +408,8 @@ class _Float8Rule:
             return None
         # a free operand (parameter, input) is kept anyway, and inside an autocast checkpoint
         # (an island) a computed one is recomputed: there the backward pass quantizes again
-        requantize = tuple(bool(free and free[i]) or _recomputed(eqn.invars[i]) for i in range(2))
+        recomputed = tuple(not (free and free[i]) and _recomputed(eqn.invars[i]) for i in range(2))
+        requantize = tuple(bool(free and free[i]) or recomputed[i] for i in range(2))
         # a parameter or input gets a gradient in its own dtype (float32: no rounding); a
         # computed activation's gradient is rounded to the compute dtype, as in a compute-dtype
         # matmul, whose cast to the compute dtype it stands for
@@ -404,7 +418,7 @@ class _Float8Rule:
             observer.float8_eqns[id(eqn)] = requantize
         ops = _quantized_operands(arrived, cast, free)
         dn = params["dimension_numbers"]
-        return [fp8_dot_general(ops[0], ops[1], dn, out_dtype, requantize, grads)]
+        return [fp8_dot_general(ops[0], ops[1], dn, out_dtype, requantize, grads, recomputed)]
 
     def __repr__(self) -> str:
         return self.__name__

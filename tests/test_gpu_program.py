@@ -297,7 +297,7 @@ def _check_roofline(key: str, roofline: dict) -> None:
         assert value <= limit, f"{key}: {field} {value:,} above the committed {table[key][field]:,} by more than 2 %"
 
 
-def _gelu_mlp_f32_results(amp_policy=None) -> list[str]:
+def _gelu_mlp_f32_results(amp_policy=None, mode: str = "triton") -> list[str]:
     """The float32 activation-sized results of the kernels of a tanh-GELU MLP's bfloat16
     gradient (384 tokens, 256 -> 512 -> 256, biases)."""
     k = jax.random.split(jax.random.key(0), 3)
@@ -313,7 +313,8 @@ def _gelu_mlp_f32_results(amp_policy=None) -> list[str]:
         h = jax.nn.gelu(x @ p["w1"] + p["b1"])
         return jnp.mean((h @ p["w2"] + p["b2"]) ** 2)
 
-    step = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16, amp_policy=amp_policy)))
+    grad = jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16, amp_policy=amp_policy))
+    step = jax.jit(grad, compiler_options=D.MODES[mode])
     hlo = step.lower(*D.abstract((p, x), _sharding())).compile().as_text()
     entry, comps = H.parse(hlo)
     return [
@@ -345,6 +346,37 @@ def test_fp8_gelu_mlp_step_quantizes_the_activation_from_bfloat16(monkeypatch):
     assert _gelu_mlp_f32_results(fp8_every_matmul()) == []
     monkeypatch.setattr(autocast._fp8, "_widen", lambda x: x.astype(jnp.float32))
     assert _gelu_mlp_f32_results(fp8_every_matmul()) != []
+
+
+def _gpt_block_float32_hidden_results(mode: str) -> int:
+    """Kernels writing a float32 value of the hidden activation's size in the float8 step of
+    one block of the 1B GPT (width 2,048, 2,048 tokens, batch 8; shapes only)."""
+    from benchmarks import train_steps as S
+
+    cfg = S.GPTConfig(vocab=512, seq=2048, width=2048, depth=1, heads=16)
+    compiled = D.compile_step(S._gpt_task("gpt-1b-block", cfg, 8, shapes_only=True), "autocast-fp8", mode, _sharding())
+    entry, comps = H.parse(compiled.as_text())
+    hidden = 8 * 2048 * 4 * 2048
+    return sum(
+        dt == "f32" and math.prod(dims) == hidden
+        for ins, _ in H.kernels(entry, comps)
+        for dt, dims in H.arrays(ins.shape)
+    )
+
+
+def test_fp8_recomputed_gelu_is_requantized_in_its_own_layout(monkeypatch):
+    """Issue 28: in cuBLAS mode the backward pass requantizes the recomputed GELU output for
+    the weight gradient in the layout cuBLASLt reads (transposed). Quantized in its own
+    layout and the float8 copy transposed (``autocast._fp8._backward_operand``), the
+    recomputed ``tanh`` fuses into the kernels that read it: no kernel writes it in float32.
+    The control: quantized straight into the transposed layout, the ``tanh`` is written
+    out in float32 (XLA:GPU's transposing kernel does not take it in)."""
+    assert _gpt_block_float32_hidden_results("cublas") == 0
+    original = autocast._fp8._backward_operand
+    monkeypatch.setattr(
+        autocast._fp8, "_backward_operand", lambda r, amax, canon, rq, rc: original(r, amax, canon, rq, False)
+    )
+    assert _gpt_block_float32_hidden_results("cublas") > 0
 
 
 def _lm_head_costs(amp_policy=None) -> tuple[list[str], int]:
