@@ -196,6 +196,40 @@ def test_computed_operand_is_quantized_from_its_bfloat16_value():
         assert float(run(False)[0]) != float(v_ref)
 
 
+def test_quantizing_from_bfloat16_keeps_gradient_errors_against_float32():
+    """Quantizing GELU's output from its bfloat16 rounding (not its float32 value) leaves
+    the float8 gradients as far from float32's as before: over 8 seeds of an RMS-norm ->
+    GELU MLP, each parameter's mean relative error within 2 % of the old path's."""
+
+    def loss(p, x, y):
+        h = x / jnp.sqrt(jnp.mean(x**2, -1, keepdims=True) + 1e-5) * p["ln"]
+        return jnp.mean((jax.nn.gelu(h @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
+
+    def errors():
+        out = []
+        for seed in range(8):
+            k = jax.random.split(jax.random.key(seed), 4)
+            p = {
+                "w1": jax.random.normal(k[0], (64, 256)) / 8,
+                "b1": jnp.zeros(256),
+                "w2": jax.random.normal(k[1], (256, 64)) / 16,
+                "ln": jnp.ones(64),
+            }
+            x, y = jax.random.normal(k[2], (512, 64)), jax.random.normal(k[3], (512, 64))
+            g32 = jax.grad(loss)(p, x, y)
+            g8 = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16, amp_policy=FP8)))(p, x, y)
+            out.append([float(jnp.linalg.norm(g8[n] - g32[n]) / jnp.linalg.norm(g32[n])) for n in ("w1", "b1", "w2")])
+        return np.mean(out, axis=0)
+
+    new = errors()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_fp8, "_quantized_operands", lambda arrived, cast, free: list(arrived))
+        m.setattr(_fp8, "_widen", lambda x: x.astype(jnp.float32))
+        old = errors()
+    assert (new > 0.005).all() and (new < 0.2).all(), new  # float8's error: there, and bounded
+    assert (new <= 1.02 * old).all(), (new, old)
+
+
 def test_bad_operand_dtype_is_named():
     with pytest.raises(TypeError, match="x has dtype int32"):
         _fp8.fp8_dot_general(jnp.ones((16, 16), jnp.int32), jnp.ones((16, 16)), (((1,), (0,)), ((), ())))
