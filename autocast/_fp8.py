@@ -15,7 +15,9 @@ like :func:`autocast.use_compute_precision` (a matmul in the compute dtype) and 
   multiplied by ``c * amax_x * amax_w`` (the form XLA-GPU rewrites into one cuBLASLt fp8
   GEMM, the amaxes its scale operands);
 - backward (``custom_vjp``): the cotangent quantized to ``float8_e5m2`` with its own
-  scale; both transposed products in fp8 (e5m2 x e4m3) with float32 accumulation; each
+  scale (padded with zeros to a multiple of 16 first where it is not: both of its float8
+  layouts then come from one kernel); both transposed products in fp8 (e5m2 x e4m3) with
+  float32 accumulation; each
   operand's gradient in the dtype the operand arrived in (a float32 parameter gets a
   float32 gradient, no half-precision rounding; the rule rounds a computed activation's
   gradient to the compute dtype first, as the compute-dtype matmul it replaces does). The residuals are the amaxes and, per
@@ -174,6 +176,18 @@ def _gemm(a, b, sa, sb, c, dtype):
     return (y.astype(np.float32) * c * sa * sb).astype(dtype)
 
 
+ALIGN = 16
+"""The multiple cuBLASLt's float8 GEMMs need their sizes in; the backward products pad the
+cotangent to it (XLA:GPU pads a float8 operand that is not, in a copy of its own)."""
+
+
+def _pad(x, rows: int, cols: int):
+    """``x`` with ``rows`` and ``cols`` zeros after its last two dimensions (none: ``x``)."""
+    if not rows and not cols:
+        return x
+    return lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] * (x.ndim - 2) + [(0, rows, 0), (0, cols, 0)])
+
+
 def _swap(q):
     """The last two dimensions swapped (XLA writes it in the quantising kernel)."""
     return jnp.swapaxes(q, -1, -2)
@@ -244,9 +258,13 @@ def _make(dimension_numbers, x_shape, w_shape, out_dtype, x_dtype, w_dtype, requ
         qx_t = _backward_operand(rx, ax, cx, requantize[0], recomputed[0])  # [B, K, M]
         qw_t = _backward_operand(rw, aw, cw, requantize[1], recomputed[1])  # [B, K, N]
         m, n = cx.shape[-2], cw.shape[-2]
-        qg, ag = _quantize(g.reshape((*cx.shape[:-2], m, n)), E5M2)  # [B, M, N]
-        dx = _gemm(qg, qw_t, ag, aw, _INV_E5M2 * _INV_E4M3, gx_dtype)  # [B, M, K]
-        dw = _gemm(_swap(qg), qx_t, ag, ax, _INV_E5M2 * _INV_E4M3, gw_dtype)  # [B, N, K]
+        # M and N padded to cuBLASLt's float8 multiple with zeros: one kernel then writes
+        # both layouts of the quantized cotangent (XLA would pad one of them in a copy)
+        pm, pn = (-m) % ALIGN, (-n) % ALIGN
+        g3, qw_t, qx_t = _pad(g.reshape((*cx.shape[:-2], m, n)), pm, pn), _pad(qw_t, 0, pn), _pad(qx_t, 0, pm)
+        qg, ag = _quantize(g3, E5M2)  # [B, M, N]
+        dx = _gemm(qg, qw_t, ag, aw, _INV_E5M2 * _INV_E4M3, gx_dtype)[..., :m, :]  # [B, M, K]
+        dw = _gemm(_swap(qg), qx_t, ag, ax, _INV_E5M2 * _INV_E4M3, gw_dtype)[..., :n, :]  # [B, N, K]
         return cx.back(dx).astype(x_dtype), cw.back(dw).astype(w_dtype)
 
     fp8_dot.defvjp(fwd, bwd)

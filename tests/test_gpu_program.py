@@ -379,6 +379,34 @@ def test_fp8_recomputed_gelu_is_requantized_in_its_own_layout(monkeypatch):
     assert _gpt_block_float32_hidden_results("cublas") > 0
 
 
+def _fp8_lm_head_costs() -> tuple[int, int]:
+    """Kernels and modeled HBM bytes of an LM head's float8 gradient in cuBLAS mode (2,048
+    tokens, 256 -> 8,191 classes: not a multiple of 16)."""
+    k = jax.random.split(jax.random.key(0), 2)
+    w = jax.random.normal(k[0], (256, 8191)) / 16
+    x = jax.random.normal(k[1], (2048, 256))
+    y = jnp.zeros((2048,), jnp.int32)
+
+    def loss(w, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean()
+
+    grad = jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16, amp_policy=fp8_every_matmul()))
+    hlo = jax.jit(grad, compiler_options=D.MODES["cublas"]).lower(*D.abstract((w, x, y), _sharding())).compile()
+    costs = H.kernel_costs(hlo.as_text())
+    return len(costs), sum(c.bytes for c in costs)
+
+
+def test_fp8_cotangent_padded_to_sixteen_is_quantized_once(monkeypatch):
+    """Issue 28: cuBLASLt's float8 GEMMs need sizes in multiples of 16. The backward products
+    pad the cotangent with zeros first (``autocast._fp8.ALIGN``), so one kernel reads it and
+    writes both float8 layouts. The control (no padding): XLA pads one layout in a copy of
+    its own and quantizes the cotangent twice: a kernel more, and more than 5 % more bytes."""
+    kernels, nbytes = _fp8_lm_head_costs()
+    monkeypatch.setattr(autocast._fp8, "ALIGN", 1)
+    kernels_before, nbytes_before = _fp8_lm_head_costs()
+    assert kernels < kernels_before and nbytes < 0.95 * nbytes_before, (kernels, kernels_before, nbytes, nbytes_before)
+
+
 def _lm_head_costs(amp_policy=None) -> tuple[list[str], int]:
     """The float32 logits-sized results of the kernels of an LM head's bfloat16 gradient
     (512 tokens, 256 -> 8,192 classes, optax's integer-label cross-entropy), and the step's
