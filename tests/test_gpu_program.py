@@ -379,20 +379,26 @@ def test_fp8_recomputed_gelu_is_requantized_in_its_own_layout(monkeypatch):
     assert _gpt_block_float32_hidden_results("cublas") > 0
 
 
-def _fp8_lm_head_costs() -> tuple[int, int]:
-    """Kernels and modeled HBM bytes of an LM head's float8 gradient in cuBLAS mode (2,048
-    tokens, 256 -> 8,191 classes: not a multiple of 16)."""
+def _lm_head_hlo(tokens: int, classes: int, amp_policy=None, mode: str = "triton") -> str:
+    """The optimised HLO of an LM head's bfloat16 gradient (``tokens`` tokens, 256 ->
+    ``classes`` classes, optax's integer-label cross-entropy) compiled for the H100."""
     k = jax.random.split(jax.random.key(0), 2)
-    w = jax.random.normal(k[0], (256, 8191)) / 16
-    x = jax.random.normal(k[1], (2048, 256))
-    y = jnp.zeros((2048,), jnp.int32)
+    w = jax.random.normal(k[0], (256, classes)) / 16
+    x = jax.random.normal(k[1], (tokens, 256))
+    y = jnp.zeros((tokens,), jnp.int32)
 
     def loss(w, x, y):
         return optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean()
 
-    grad = jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16, amp_policy=fp8_every_matmul()))
-    hlo = jax.jit(grad, compiler_options=D.MODES["cublas"]).lower(*D.abstract((w, x, y), _sharding())).compile()
-    costs = H.kernel_costs(hlo.as_text())
+    grad = jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16, amp_policy=amp_policy))
+    step = jax.jit(grad, compiler_options=D.MODES[mode])
+    return step.lower(*D.abstract((w, x, y), _sharding())).compile().as_text()
+
+
+def _fp8_lm_head_costs() -> tuple[int, int]:
+    """Kernels and modeled HBM bytes of an LM head's float8 gradient in cuBLAS mode (2,048
+    tokens, 8,191 classes: not a multiple of 16)."""
+    costs = H.kernel_costs(_lm_head_hlo(2048, 8191, fp8_every_matmul(), "cublas"))
     return len(costs), sum(c.bytes for c in costs)
 
 
@@ -409,18 +415,8 @@ def test_fp8_cotangent_padded_to_sixteen_is_quantized_once(monkeypatch):
 
 def _lm_head_costs(amp_policy=None) -> tuple[list[str], int]:
     """The float32 logits-sized results of the kernels of an LM head's bfloat16 gradient
-    (512 tokens, 256 -> 8,192 classes, optax's integer-label cross-entropy), and the step's
-    modeled HBM bytes."""
-    k = jax.random.split(jax.random.key(0), 2)
-    w = jax.random.normal(k[0], (256, 8192)) / 16
-    x = jax.random.normal(k[1], (512, 256))
-    y = jnp.zeros((512,), jnp.int32)
-
-    def loss(w, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean()
-
-    step = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16, amp_policy=amp_policy)))
-    hlo = step.lower(*D.abstract((w, x, y), _sharding())).compile().as_text()
+    (512 tokens, 8,192 classes), and the step's modeled HBM bytes."""
+    hlo = _lm_head_hlo(512, 8192, amp_policy)
     entry, comps = H.parse(hlo)
     f32 = [
         ins.shape
