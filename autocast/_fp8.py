@@ -9,16 +9,15 @@ like :func:`autocast.use_compute_precision` (a matmul in the compute dtype) and 
   scale (``amax / fp8 max``, amax in float32; q 0 where amax is 0; values clipped before the
   cast); a parameter or input as it arrives, a computed operand from the compute-dtype
   value the matmul it replaces would read (so a float32 producer writes half precision
-  for the amax and quantizing kernels); viewed as ``[batch, rows, contracted]`` (contracted dimension minor, the layout
-  cuBLASLt's float8 GEMMs read), the fp8 operands passed to ``lax.dot_general`` with the
+  for the amax and quantizing kernels); viewed as ``[batch, rows, contracted]``
+  (contracted dimension minor, the layout cuBLASLt's float8 GEMMs read), the fp8 operands passed to ``lax.dot_general`` with the
   compute dtype as ``preferred_element_type`` (float32 accumulation) and the product
   multiplied by ``c * amax_x * amax_w`` (the form XLA-GPU rewrites into one cuBLASLt fp8
   GEMM, the amaxes its scale operands);
 - backward (``custom_vjp``): the cotangent quantized to ``float8_e5m2`` with its own
   scale (padded with zeros to a multiple of 16 first where it is not: both of its float8
   layouts then come from one kernel); both transposed products in fp8 (e5m2 x e4m3) with
-  float32 accumulation; each
-  operand's gradient in the dtype the operand arrived in (a float32 parameter gets a
+  float32 accumulation; each operand's gradient in the dtype the operand arrived in (a float32 parameter gets a
   float32 gradient, no half-precision rounding; the rule rounds a computed activation's
   gradient to the compute dtype first, as the compute-dtype matmul it replaces does). The residuals are the amaxes and, per
   operand, the operand itself where it costs nothing to keep (a parameter or input, or a
@@ -225,7 +224,7 @@ def _backward_operand(r, amax, canon: _Canon, requantize: bool, recomputed: bool
     XLA:GPU's transposing kernel (cuBLASLt reads ``[B, K, rows]``) does not take in an
     expensive recomputation that another kernel also reads (GELU's ``tanh``, read by its
     derivative too), which would then be written out in float32 and read back."""
-    if requantize and recomputed:
+    if recomputed:
         return _swap(lax.optimization_barrier(_quantize_with(canon.to(r), amax, E4M3)))
     if requantize:
         return _quantize_with(_swap(canon.to(r)), amax, E4M3)
@@ -298,9 +297,9 @@ def fp8_dot_general(
     - `grad_dtypes`: per operand, the dtype its gradient product writes (then cast to the
       operand's dtype); None: the operand's dtype. The compute dtype for an activation
       rounds its gradient as a half-precision matmul would (and halves the buffer).
-    - `recomputed`: per requantized operand, whether the backward pass recomputes it (an
-      activation inside an enclosing checkpoint): quantized in its own layout, its float8
-      copy transposed, so the recomputation fuses with its other readers.
+    - `recomputed`: per operand, whether the backward pass recomputes it (an activation
+      inside an enclosing checkpoint; implies `requantize`): quantized in its own layout,
+      its float8 copy transposed, so the recomputation fuses with its other readers.
 
     **Returns:** the product, in ``out_dtype``.
 
@@ -318,10 +317,10 @@ def fp8_dot_general(
     dn = _dn(dimension_numbers)
     if not isinstance(requantize, Sequence) or len(requantize) != 2:
         raise ValueError(f"fp8_dot_general: requantize={requantize!r}; must be two booleans (x, w).")
-    rq = (bool(requantize[0]), bool(requantize[1]))
     if not isinstance(recomputed, Sequence) or len(recomputed) != 2:
         raise ValueError(f"fp8_dot_general: recomputed={recomputed!r}; must be two booleans (x, w).")
     rc = (bool(recomputed[0]), bool(recomputed[1]))
+    rq = (bool(requantize[0]) or rc[0], bool(requantize[1]) or rc[1])  # a recomputed operand is kept
     if not isinstance(grad_dtypes, Sequence) or len(grad_dtypes) != 2:
         raise ValueError(f"fp8_dot_general: grad_dtypes={grad_dtypes!r}; must be two dtypes or None (x, w).")
     gd = tuple(None if g is None else np.dtype(g) for g in grad_dtypes)

@@ -8,6 +8,7 @@ dequantized operands in float64. XLA's convert may round a value one fp8 step aw
 
 from __future__ import annotations
 
+import contextlib
 import tomllib
 from pathlib import Path
 
@@ -165,6 +166,16 @@ def test_policy_rounds_activation_gradients_like_a_bfloat16_matmul():
         assert err < 0.1, (k, err)
 
 
+@contextlib.contextmanager
+def _quantized_as_they_arrive():
+    """The float8 rule as before issue 28's change: every operand quantized as it arrives,
+    widened to float32 by a conversion."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_fp8, "_quantized_operands", lambda arrived, cast, free: list(arrived))
+        m.setattr(_fp8, "_widen", lambda x: x.astype(jnp.float32))
+        yield
+
+
 def test_computed_operand_is_quantized_from_its_bfloat16_value():
     """A computed float32 operand (LayerNorm's and tanh's outputs, float32 in their islands)
     is quantized from the bfloat16 value the bfloat16 matmul it replaces reads: value and
@@ -190,9 +201,7 @@ def test_computed_operand_is_quantized_from_its_bfloat16_value():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     # the control: operands quantized as they arrive, widened by a conversion (as before):
     # the float32 values are quantized, and the value differs
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(_fp8, "_quantized_operands", lambda arrived, cast, free: list(arrived))
-        m.setattr(_fp8, "_widen", lambda x: x.astype(jnp.float32))
+    with _quantized_as_they_arrive():
         assert float(run(False)[0]) != float(v_ref)
 
 
@@ -222,9 +231,7 @@ def test_quantizing_from_bfloat16_keeps_gradient_errors_against_float32():
         return np.mean(out, axis=0)
 
     new = errors()
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(_fp8, "_quantized_operands", lambda arrived, cast, free: list(arrived))
-        m.setattr(_fp8, "_widen", lambda x: x.astype(jnp.float32))
+    with _quantized_as_they_arrive():
         old = errors()
     assert (new > 0.005).all() and (new < 0.2).all(), new  # float8's error: there, and bounded
     assert (new <= 1.02 * old).all(), (new, old)
