@@ -64,7 +64,8 @@ def _git_commit() -> str | None:
             text=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return None
+        # a copy of the tree without its .git (a lent GPU machine): the commit the caller names
+        return os.environ.get("AUTOCAST_GIT_COMMIT")
     return sha + ("+dirty" if dirty else "")
 
 

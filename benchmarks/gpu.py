@@ -37,12 +37,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
+import gzip
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,8 @@ import numpy as np
 import optax
 
 from benchmarks import _common as C
+from benchmarks import hlo_model
+from benchmarks.deviceless import MODES, X1_ONLY
 from benchmarks.train_steps import (
     DEFAULT_MODELS,
     MODELS,
@@ -101,33 +106,62 @@ SMOKE_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensiv
 _compiler_options: dict[str, Any] | None = None
 
 
-def _prepare(task: Task, name: str):
+def _tiled(batch: Any, mult: int) -> Any:
+    """The batch ``mult`` times along its leading axis (the ``--batch-mults`` steps)."""
+    return batch if mult == 1 else jax.tree_util.tree_map(lambda x: np.concatenate([np.asarray(x)] * mult), batch)
+
+
+def _prepare(task: Task, name: str, mode: str = "triton", hlo_path: Path | None = None, *, copy: bool = False):
+    """``name``'s step for ``task`` compiled as the ``--target`` report compiles it (inputs
+    donated, GEMM ``mode``), but also returning the gradient (for its error against fp32's);
+    run once: the step-0 gradient. Returns the system, a runner (one training step, the state
+    threaded through) and the figures of the compile, the modeled step of this very program
+    on a GPU (:func:`benchmarks.hlo_model.roofline`) among them. ``copy``: the step donates a
+    copy of the task's parameters (other systems use them too), else the task's own."""
     params, static = eqx.partition(task.model, eqx.is_array)
+    params = jax.tree_util.tree_map(lambda x: x.copy(), params) if copy else params
     opt = optax.adamw(1e-4, weight_decay=1e-4)
     system = build_system(name, task, static, opt)
-    params, opt_state = system.init(params, opt)
+    state = [*system.init(params, opt), system.scaler]
+    options = {**(_compiler_options or {}), **(MODES[mode] or {})} or None
     with system.context():
-        jitted = jax.jit(system.step, compiler_options=_compiler_options)
-        (lowered, compiled), times = C.trace_lower_compile(jitted, params, opt_state, system.scaler, task.batch)
-        out = C.block(compiled(params, opt_state, system.scaler, task.batch))  # step 0: its gradient
-    run = lambda: compiled(params, opt_state, system.scaler, task.batch)  # noqa: E731
+        jitted = jax.jit(system.step, donate_argnums=(0, 1, 2), compiler_options=options)
+        (lowered, compiled), times = C.trace_lower_compile(jitted, *state, task.batch)
+        out = C.block(compiled(*state, task.batch))  # step 0: its gradient
+    state[:] = out[:3]
+
+    def run():
+        out = compiled(*state, task.batch)
+        state[:] = out[:3]
+        return out[:4]
+
+    hlo = compiled.as_text()
     info = {
         "compile_s": times["total"],
         "fp8": fp8_in_hlo(lowered, compiled),
         "loss0": float(out[3]),
-        "grads0": out[4],
+        "grads0": jax.device_get(out[4]),
         "xla_memory": C.compiled_memory(compiled),
     }
+    if jax.default_backend() == "gpu":
+        info["roofline"] = hlo_model.roofline(hlo)
+    if hlo_path is not None:
+        hlo_path.parent.mkdir(parents=True, exist_ok=True)
+        hlo_path.write_bytes(gzip.compress(hlo.encode()))
     return system, run, info
 
 
-def measure_in_process(task: Task, names: list[str], *, warmup: int, repeats: int) -> dict[str, dict[str, Any]]:
-    """Every system of ``names`` on ``task`` in this process; step times interleaved."""
+def measure_in_process(
+    task: Task, names: list[str], *, warmup: int, repeats: int, mode: str = "triton", hlo_prefix: Path | None = None
+) -> dict[str, dict[str, Any]]:
+    """Every system of ``names`` on ``task`` in this process; step times interleaved. Each
+    step's optimised HLO goes to ``<hlo_prefix>-<system>.hlo.gz`` if a prefix is given."""
     results: dict[str, dict[str, Any]] = {}
     runners = {}
     for name in names:
         try:
-            system, run, info = _prepare(task, name)
+            hlo_path = hlo_prefix.with_name(f"{hlo_prefix.name}-{name}.hlo.gz") if hlo_prefix else None
+            system, run, info = _prepare(task, name, mode, hlo_path, copy=len(names) > 1)
         except Exception as e:  # noqa: BLE001 - a failing system is a result
             results[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
             continue
@@ -145,28 +179,39 @@ def measure_in_process(task: Task, names: list[str], *, warmup: int, repeats: in
     return results
 
 
-def _child(model: str, name: str, smoke: bool, warmup: int, repeats: int) -> None:
-    """One system in a fresh process: its peak device memory is its own."""
+def _task(model: str, smoke: bool, mult: int) -> Task:
+    """The model's task with real arrays, its batch ``mult`` times as large."""
     task = (SMOKE_MODELS if smoke else MODELS)[model]().materialise()
-    res = measure_in_process(task, [name], warmup=warmup, repeats=repeats)[name]
+    return dataclasses.replace(task, batch=_tiled(task.batch, mult)) if mult != 1 else task
+
+
+def _child(args: argparse.Namespace) -> None:
+    """One system in a fresh process: its peak device memory is its own."""
+    model, name, mult, mode = args._child
+    task = _task(model, args.smoke, int(mult))
+    prefix = Path(args.save_hlo) / f"{model}-x{mult}-{mode}" if args.save_hlo else None
+    res = measure_in_process(task, [name], warmup=args.warmup, repeats=args.repeats, mode=mode, hlo_prefix=prefix)[name]
     res["peak_bytes"] = C.device_peak_bytes()
     grads = res.pop("grads0", None)
-    if grads is not None:
+    if grads is not None and os.environ.get("AUTOCAST_GPU_GRADS"):
         np.savez(
             os.environ["AUTOCAST_GPU_GRADS"], *[np.asarray(g, np.float32) for g in jax.tree_util.tree_leaves(grads)]
         )
     print(json.dumps(res, default=str))
 
 
-def measure_isolated(model: str, names: list[str], *, smoke: bool, warmup: int, repeats: int, tmp: Path):
+def measure_isolated(args: argparse.Namespace, model: str, names: list[str], mult: int, mode: str, tmp: Path):
     """Every system in its own process (peak device memory per system); gradients come
-    back through ``.npz`` files."""
+    back through ``.npz`` files in ``tmp`` (only where fp32's is there to compare with)."""
     results = {}
     for name in names:
         grads_path = tmp / f"{model}-{name}.npz"
-        cmd = [sys.executable, "-m", "benchmarks.gpu", "--_child", model, name, "--warmup", str(warmup)]
-        cmd += ["--repeats", str(repeats)] + (["--smoke"] if smoke else [])
-        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", AUTOCAST_GPU_GRADS=str(grads_path))
+        cmd = [sys.executable, "-m", "benchmarks.gpu", "--_child", model, name, str(mult), mode]
+        cmd += ["--warmup", str(args.warmup), "--repeats", str(args.repeats)] + (["--smoke"] if args.smoke else [])
+        cmd += ["--save-hlo", args.save_hlo] if args.save_hlo else []
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        if "fp32" in names:
+            env["AUTOCAST_GPU_GRADS"] = str(grads_path)
         root = Path(__file__).resolve().parent.parent
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
@@ -177,8 +222,19 @@ def measure_isolated(model: str, names: list[str], *, smoke: bool, warmup: int, 
         if grads_path.exists():
             with np.load(grads_path) as z:
                 res["grads0"] = [z[k] for k in sorted(z.files, key=lambda s: int(s.split("_")[1]))]
+            grads_path.unlink()
         results[name] = res
+        print(f"{model} x{mult} {mode} {name}: {_summary(res)}", flush=True)
     return results
+
+
+def _summary(res: dict[str, Any]) -> str:
+    if "error" in res:
+        return res["error"]
+    line = f"{res['median_step_s'] * 1e3:.2f} ms measured"
+    if "roofline" in res:
+        line += f", {res['roofline']['time_s'] * 1e3:.2f} ms modeled"
+    return line + f", compile {res['compile_s']:.0f} s"
 
 
 # ----------------------------------------------------------------------------- report
@@ -197,25 +253,40 @@ def _fp8_cell(res: dict[str, Any], backend: str) -> str:
     return f"{f['stablehlo_f8_dots']} f8E4M3FN dots lowered (cuBLASLt: n/a on {backend})"
 
 
-def table(model: str, desc: str, results: dict[str, dict[str, Any]], backend: str) -> str:
-    base = results.get("fp32", {}).get("median_step_s")
+def _vs(r: dict[str, Any], base: dict[str, Any] | None, key: str) -> str:
+    """``r`` 's time over ``base`` 's: measured, and (on a GPU) modeled in brackets."""
+    if not base or "error" in base or "error" in r:
+        return "-"
+    cell = f"{r['median_step_s'] / base['median_step_s']:.2f}x"
+    if "roofline" in r and "roofline" in base:
+        cell += f" ({r['roofline'][key] / base['roofline'][key]:.2f}x)"
+    return cell
+
+
+def table(title: str, desc: str, results: dict[str, dict[str, Any]], backend: str) -> str:
+    """One (model, batch, mode) section: measured step time next to the modeled one (a GPU),
+    ratios to fp32 and MPX (measured, modeled in brackets), memory, gradient error, fp8."""
+    fp32, mpx = results.get("fp32"), results.get("mpx-bf16")
     rows = [
-        f"### {model}\n\n{desc}\n",
-        "| system | median step time | vs fp32 | peak device memory | step-0 gradient error vs fp32 | fp8 GEMMs |",
-        "|---|---|---|---|---|---|",
+        f"### {title}\n\n{desc}\n",
+        "| system | median step time | modeled (H100 roofline) | measured / modeled | vs fp32 | vs MPX bf16 "
+        "| peak device memory | step-0 gradient error vs fp32 | fp8 GEMMs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if "error" in r:
-            rows.append(f"| {name} | failed: {r['error']} | | | | |")
+            rows.append(f"| {name} | failed: {r['error']} | | | | | | | |")
             continue
         t = r.get("median_step_s")
-        ratio = t / base if t is not None and base else None
+        model_t = r.get("roofline", {}).get("time_s")
         peak = r.get("peak_bytes")
         err = r.get("grad_err_vs_fp32")
         err_cell = "non-finite (step skipped by the loss scaler)" if err is None and "grad_err_vs_fp32" in r else None
         rows.append(
-            f"| {name} | {_fmt(t and t * 1e3, '.2f', ' ms')} | {_fmt(ratio, '.2f', 'x')} | "
-            f"{'n/a' if peak is None else C.fmt_bytes(peak)} | {err_cell or _fmt(err, '.2e')} | {_fp8_cell(r, backend)} |"
+            f"| {name} | {_fmt(t and t * 1e3, '.2f', ' ms')} | {_fmt(model_t and model_t * 1e3, '.2f', ' ms')} | "
+            f"{_fmt(t / model_t if t and model_t else None, '.2f', 'x')} | {_vs(r, fp32, 'time_s')} | "
+            f"{_vs(r, mpx, 'time_s')} | {'n/a' if peak is None else C.fmt_bytes(peak)} | "
+            f"{err_cell or _fmt(err, '.2e')} | {_fp8_cell(r, backend)} |"
         )
     return "\n".join(rows)
 
@@ -250,14 +321,16 @@ def _parse(argv):
         "--save-hlo",
         default=None,
         metavar="DIR",
-        help="--target: write each step's optimised HLO (gzipped) there, for python -m benchmarks.deviceless --reanalyse",
+        help="write each step's optimised HLO (gzipped) there: <model>-x<mult>-<mode>-<system>.hlo.gz "
+        "(for python -m benchmarks.kernel_breakdown, or with --target benchmarks.deviceless --reanalyse)",
     )
     ap.add_argument(
         "--modes",
         nargs="+",
-        choices=("triton", "cublas"),
-        default=["triton", "cublas"],
-        help="--target: GEMM modes (default both)",
+        choices=tuple(MODES),
+        default=None,
+        help="XLA:GPU GEMM modes: triton (XLA's default) and cublas (every GEMM a cuBLAS call); "
+        "default both on a GPU and with --target, triton alone elsewhere",
     )
     ap.add_argument(
         "--resume",
@@ -265,11 +338,18 @@ def _parse(argv):
         help="--target with --save-hlo: take a step's figures from DIR/<step>.json where an earlier run wrote them",
     )
     ap.add_argument(
-        "--batch-mults", nargs="+", type=int, default=[1, 4], help="--target: batch sizes as multiples (default 1 4)"
+        "--batch-mults",
+        nargs="+",
+        type=int,
+        default=None,
+        help="batch sizes as multiples of each model's (default: 1 4 with --target, 1 measured; the 1B GPT: 1 only)",
     )
-    ap.add_argument("--_child", nargs=2, metavar=("MODEL", "SYSTEM"), help=argparse.SUPPRESS)
+    ap.add_argument("--_child", nargs=4, metavar=("MODEL", "SYSTEM", "MULT", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.models = args.models or list(TARGET_MODELS if args.target else DEFAULT_MODELS)
+    args.batch_mults = args.batch_mults or ([1, 4] if args.target else [1])
+    if args.modes is None:
+        args.modes = list(MODES) if args.target or args._child or jax.default_backend() == "gpu" else ["triton"]
     args.repeats = args.repeats if args.repeats is not None else (3 if args.smoke else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
     if any(m < 1 for m in args.batch_mults):
@@ -286,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     _compiler_options = SMOKE_COMPILE if args.smoke and jax.default_backend() == "cpu" else None
     if args._child:
-        _child(*args._child, args.smoke, args.warmup, args.repeats)
+        _child(args)
         return {}
     cmd = " ".join(["python -m benchmarks.gpu", *(argv if argv is not None else sys.argv[1:])])
     if args.target:
@@ -312,49 +392,70 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     out_dir = Path(args.out_dir) if args.out_dir else C.RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
-    factories = SMOKE_MODELS if args.smoke else MODELS
-    print(f"GPU benchmark on {backend} ({device}), jax {jax.__version__}; models {args.models}, systems {names}")
-    report: dict[str, Any] = {"command": cmd, "meta": meta, "args": vars(args), "smoke": args.smoke, "models": {}}
-    sections = []
-    for model in args.models:
-        task = factories[model]().materialise()
-        if isolate:
-            res = measure_isolated(
-                model, names, smoke=args.smoke, warmup=args.warmup, repeats=args.repeats, tmp=out_dir
-            )
-        else:
-            res = measure_in_process(task, names, warmup=args.warmup, repeats=args.repeats)
-        ref = res.get("fp32", {}).get("grads0")
-        for r in res.values():
-            g = r.pop("grads0", None)
-            if g is not None and ref is not None:
-                r["grad_err_vs_fp32"] = _rel_err(g, ref)
-        for p in out_dir.glob(f"{model}-*.npz"):
-            p.unlink()
-        report["models"][model] = {"description": task.description, "results": res}
-        sections.append(table(model, task.description, res, backend))
-        print(sections[-1], flush=True)
-    wall = time.perf_counter() - t0
-    report["wall_time_s"] = wall
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower() or backend
     stem = out_dir / f"gpu-{slug}-{date}{'-smoke' if args.smoke else ''}"
+    print(f"GPU benchmark on {backend} ({device}), jax {jax.__version__}; models {args.models}, systems {names}")
+    report: dict[str, Any] = {"command": cmd, "meta": meta, "args": vars(args), "smoke": args.smoke, "models": {}}
+    sections = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            for mult in [1] if model in X1_ONLY else args.batch_mults:
+                for mode in args.modes:
+                    task = _task(model, args.smoke, mult) if not isolate else None
+                    if isolate:
+                        res = measure_isolated(args, model, names, mult, mode, Path(tmp))
+                    else:
+                        prefix = Path(args.save_hlo) / f"{model}-x{mult}-{mode}" if args.save_hlo else None
+                        res = measure_in_process(
+                            task, names, warmup=args.warmup, repeats=args.repeats, mode=mode, hlo_prefix=prefix
+                        )
+                    ref = res.get("fp32", {}).get("grads0")
+                    for r in res.values():
+                        g = r.pop("grads0", None)
+                        if g is not None and ref is not None:
+                            r["grad_err_vs_fp32"] = _rel_err(g, ref)
+                    desc = (SMOKE_MODELS if args.smoke else MODELS)[model](shapes_only=True).description
+                    desc = desc.replace(" (shapes only)", "")
+                    desc = re.sub(r"batch (\d+)", lambda m, k=mult: f"batch {int(m[1]) * k}", desc)
+                    entry = report["models"].setdefault(model, {"description": desc, "runs": {}})
+                    entry["runs"][f"x{mult}-{mode}"] = {"description": desc, "results": res}
+                    sections.append(table(f"{model}, x{mult}, {mode} GEMMs", desc, res, backend))
+                    print(sections[-1], flush=True)
+                    _write(
+                        stem, report, sections, notes, isolate, time.perf_counter() - t0
+                    )  # a run cut short keeps what it has
+    print(f"wrote {stem}.md and .json ({report['wall_time_s']:.0f} s)")
+    report["paths"] = [str(stem.with_suffix(".md")), str(stem.with_suffix(".json"))]
+    return report
+
+
+def _write(stem: Path, report: dict[str, Any], sections: list[str], notes: list[str], isolate: bool, wall: float):
+    report["wall_time_s"] = wall
     C.write_json(stem.with_suffix(".json"), report)
+    args, backend, device = report["args"], report["meta"]["backend"], report["meta"].get("device", "")
+    modeled = (
+        "Modeled: the roofline of the very program timed (its optimised HLO, `benchmarks/hlo_model.py`: "
+        "per kernel max(HBM bytes / 3.35 TB/s, GEMM FLOPs / H100 SXM peak) + 2 us), the ratio to fp32 and "
+        "MPX in brackets. The step is the `--target` report's (inputs donated, GEMM mode) that also returns "
+        "its gradient.\n\n"
+        if backend == "gpu"
+        else ""
+    )
     md = (
-        f"## Training-step benchmark ({backend}: {device})\n\nCommand: `{cmd}`\n\n{C.metadata_markdown(meta)}"
-        f"- wall time: {wall / 60:.1f} min; {args.warmup} warm-up and {args.repeats} timed steps per system, "
-        f"interleaved; {'each system in its own process' if isolate else 'all systems in one process'}\n\n"
+        f"## Training-step benchmark ({backend}: {device})\n\nCommand: `{report['command']}`\n\n"
+        f"{C.metadata_markdown(report['meta'])}"
+        f"- wall time: {wall / 60:.1f} min; {args['warmup']} warm-up and {args['repeats']} timed steps per system, "
+        f"{'each system in its own process' if isolate else 'all systems in one process, interleaved'}\n\n"
         "Gradient error: relative L2 error of the step-0 gradient (all parameters) against fp32's, same "
         "parameters and batch. fp8 GEMMs: cuBLASLt float8 GEMM custom calls in the compiled step (GPU), "
         "dot_generals with float8_e4m3fn operands in the lowered StableHLO.\n\n"
+        + modeled
         + ("\n".join(notes) + "\n\n" if notes else "")
         + "\n\n".join(sections)
         + "\n"
     )
     stem.with_suffix(".md").write_text(md)
-    print(f"wrote {stem}.md and .json ({wall:.0f} s)")
-    report["paths"] = [str(stem.with_suffix(".md")), str(stem.with_suffix(".json"))]
-    return report
 
 
 if __name__ == "__main__":
