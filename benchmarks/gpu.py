@@ -144,7 +144,7 @@ def _prepare(task: Task, name: str, mode: str = "triton", hlo_path: Path | None 
         "xla_memory": C.compiled_memory(compiled),
     }
     if jax.default_backend() == "gpu":
-        info["roofline"] = hlo_model.roofline(hlo)
+        info["roofline"] = hlo_model.roofline(hlo, hlo_model.chip_for(jax.devices()[0].device_kind))
     if hlo_path is not None:
         hlo_path.parent.mkdir(parents=True, exist_ok=True)
         hlo_path.write_bytes(gzip.compress(hlo.encode()))
@@ -269,7 +269,7 @@ def table(title: str, desc: str, results: dict[str, dict[str, Any]], backend: st
     fp32, mpx = results.get("fp32"), results.get("mpx-bf16")
     rows = [
         f"### {title}\n\n{desc}\n",
-        "| system | median step time | modeled (H100 roofline) | measured / modeled | vs fp32 | vs MPX bf16 "
+        "| system | median step time | modeled (roofline) | measured / modeled | vs fp32 | vs MPX bf16 "
         "| peak device memory | step-0 gradient error vs fp32 | fp8 GEMMs |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -432,14 +432,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _write(stem: Path, report: dict[str, Any], sections: list[str], notes: list[str], isolate: bool, wall: float):
     report["wall_time_s"] = wall
+    report["notes"] = notes
     C.write_json(stem.with_suffix(".json"), report)
     args, backend, device = report["args"], report["meta"]["backend"], report["meta"].get("device", "")
+    chip = next((r["roofline"]["chip"] for e in report["models"].values() for run in e["runs"].values()
+                 for r in run["results"].values() if "roofline" in r), None)  # fmt: skip
     modeled = (
-        "Modeled: the roofline of the very program timed (its optimised HLO, `benchmarks/hlo_model.py`: "
-        "per kernel max(HBM bytes / 3.35 TB/s, GEMM FLOPs / H100 SXM peak) + 2 us), the ratio to fp32 and "
-        "MPX in brackets. The step is the `--target` report's (inputs donated, GEMM mode) that also returns "
-        "its gradient.\n\n"
-        if backend == "gpu"
+        f"Modeled: the roofline of the very program timed (its optimised HLO, `benchmarks/hlo_model.py`, at the "
+        f"{chip}'s datasheet rates: per kernel max(HBM bytes / bandwidth, GEMM FLOPs / peak) + 2 us), the "
+        "ratio to fp32 and MPX in brackets. The step is the `--target` report's (inputs donated, GEMM mode) "
+        "that also returns its gradient.\n\n"
+        if chip
         else ""
     )
     md = (
@@ -456,6 +459,26 @@ def _write(stem: Path, report: dict[str, Any], sections: list[str], notes: list[
         + "\n"
     )
     stem.with_suffix(".md").write_text(md)
+
+
+def reanalyse(json_path: Path, hlo_dir: Path, device_kind: str | None = None) -> None:
+    """Recompute the modeled figures of a measured report from the HLO its run saved
+    (``--save-hlo DIR``) at the rates of ``device_kind`` (default: the report's device), and
+    rewrite its ``.json`` and ``.md``; the measured figures stay as they are."""
+    report = json.loads(json_path.read_text())
+    chip = hlo_model.chip_for(device_kind or report["meta"]["device"])
+    sections = []
+    for model, entry in report["models"].items():
+        for key, run_ in entry["runs"].items():
+            for name, res in run_["results"].items():
+                path = hlo_dir / f"{model}-{key}-{name}.hlo.gz"
+                if "error" not in res and path.exists():
+                    res["roofline"] = hlo_model.roofline(gzip.decompress(path.read_bytes()).decode(), chip)
+            mult, mode = key.split("-", 1)
+            sections.append(table(f"{model}, {mult}, {mode} GEMMs", run_["description"], run_["results"], "gpu"))
+    isolate = "each system in its own process" in json_path.with_suffix(".md").read_text()
+    _write(json_path.with_suffix(""), report, sections, report.get("notes", []), isolate, report["wall_time_s"])
+    print(f"rewrote {json_path} and its .md from {hlo_dir} ({chip.name})")
 
 
 if __name__ == "__main__":

@@ -315,6 +315,14 @@ H100_SXM = Chip(
     peak_flops={"f8": 1979e12, "bf16": 989e12, "f32": 495e12, "f64": 67e12},
     launch_s=2e-6,
 )
+# H200 SXM (141 GB HBM3e): the H100's tensor cores and clocks, 4.8 TB/s.
+H200_SXM = Chip(name="H200 SXM", hbm_bytes_per_s=4.8e12, peak_flops=H100_SXM.peak_flops, launch_s=2e-6)
+
+
+def chip_for(device_kind: str) -> Chip:
+    """The rates to model a step on the device ``jax.devices()[0].device_kind`` names: an
+    H200's where it says H200, else the H100 SXM's (the ``--target``)."""
+    return H200_SXM if "H200" in device_kind.upper() else H100_SXM
 
 
 class Kernel(NamedTuple):

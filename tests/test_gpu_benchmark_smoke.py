@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks import gpu
@@ -108,3 +109,61 @@ def test_bad_arguments_are_named():
         gpu._parse(["--repeats", "0"])
     with pytest.raises(ValueError, match="system 'nope' unknown"):
         gpu.build_system("nope", None, None, None)
+
+
+def _measured(ms: float, modeled_ms: float | None) -> dict:
+    r = {"median_step_s": ms / 1e3, "peak_bytes": 2**30, "fp8": {"cublas_f8_gemms": 0, "stablehlo_f8_dots": 0}}
+    return r | ({"roofline": {"time_s": modeled_ms / 1e3, "chip": "H200 SXM"}} if modeled_ms else {})
+
+
+def test_table_puts_measured_and_modeled_ratios_side_by_side():
+    """A GPU section: each system's measured step, its modeled one, their quotient, and its
+    ratio to fp32 and to MPX measured with the modeled ratio in brackets."""
+    res = {"fp32": _measured(64.0, 40.0), "autocast-bf16": _measured(44.0, 24.0), "mpx-bf16": _measured(40.0, 22.0)}
+    md = gpu.table("gpt2-small, x1, triton GEMMs", "desc", res, "gpu")
+    row = next(line for line in md.splitlines() if line.startswith("| autocast-bf16 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1:6] == ["44.00 ms", "24.00 ms", "1.83x", "0.69x (0.60x)", "1.10x (1.09x)"]
+    # off a GPU there is no model: the measured ratios alone
+    res = {"fp32": _measured(2.0, None), "autocast-bf16": _measured(3.0, None)}
+    row = gpu.table("t", "d", res, "cpu").splitlines()[-1]
+    assert [c.strip() for c in row.split("|")[1:-1]][1:6] == ["3.00 ms", "n/a", "n/a", "1.50x", "-"]
+
+
+def test_batch_multiples_repeat_the_batch():
+    x, y = np.arange(6.0).reshape(2, 3), np.array([0, 1])
+    tx, ty = gpu._tiled((x, y), 3)
+    assert tx.shape == (6, 3) and ty.tolist() == [0, 1, 0, 1, 0, 1] and (tx[4:] == x).all()
+    assert gpu._tiled((x, y), 1)[0] is x
+
+
+def test_reanalyse_models_a_measured_report_again_from_its_hlo(tmp_path):
+    """``reanalyse``: the modeled figures of a measured report recomputed from the saved HLO
+    at another device's rates; the measured figures untouched."""
+    import gzip
+
+    from test_hlo_model import CUBLAS_BF16
+
+    from benchmarks import hlo_model
+
+    hlo_dir = tmp_path / "hlo"
+    hlo_dir.mkdir()
+    (hlo_dir / "m-x1-triton-fp32.hlo.gz").write_bytes(gzip.compress(CUBLAS_BF16.encode()))
+    report = {
+        "command": "python -m benchmarks.gpu",
+        "meta": {"backend": "gpu", "device": "NVIDIA H200 x1", "date": "d", "machine": "m", "os": "o", "python": "3"}
+        | {"versions": {}},
+        "args": {"warmup": 3, "repeats": 20},
+        "models": {"m": {"runs": {"x1-triton": {"description": "tiny", "results": {"fp32": _measured(1.0, 9.0)}}}}},
+        "wall_time_s": 1.0,
+        "notes": ["- a note"],
+    }
+    path = tmp_path / "gpu-h200.json"
+    path.write_text(json.dumps(report))
+    path.with_suffix(".md").write_text("each system in its own process")
+    gpu.reanalyse(path, hlo_dir)
+    out = json.loads(path.read_text())["models"]["m"]["runs"]["x1-triton"]["results"]["fp32"]
+    assert out["median_step_s"] == 1e-3
+    assert out["roofline"] == hlo_model.roofline(CUBLAS_BF16, hlo_model.H200_SXM)
+    md = path.with_suffix(".md").read_text()
+    assert "H200 SXM's datasheet rates" in md and "- a note" in md and "| fp32 | 1.00 ms |" in md

@@ -180,3 +180,14 @@ def test_loop_body_counts_its_trips():
     r = H.roofline(LOOP)
     assert r["kernels"] == 15 and r["hbm_bytes"] == 5 * (3 * 4096 + 4 + 4 + 4 + 1)
     assert H.census(LOOP)["kernels"] == 3  # the census counts a body once
+
+
+def test_the_device_names_the_chip_whose_rates_model_it():
+    """A measured run models its step at its own device's rates: an H200's bandwidth is the
+    H100's x 4.8 / 3.35 and its GEMM peaks the H100's, so a memory-bound kernel is faster and
+    a GEMM-bound one is not."""
+    assert H.chip_for("NVIDIA H200") is H.H200_SXM and H.chip_for("NVIDIA H100 80GB HBM3") is H.H100_SXM
+    (h100,) = H.kernel_costs(CUBLAS_BF16, H.H100_SXM)
+    (h200,) = H.kernel_costs(CUBLAS_BF16, H.H200_SXM)
+    assert h200.bytes == h100.bytes and h200.gemm_s == h100.gemm_s
+    assert h200.time_s == pytest.approx(max(h100.bytes / 4.8e12, h100.gemm_s) + LAUNCH)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The measured benchmark on a lent GPU machine (docs/gpu-benchmark.md, "Measured on a lent GPU"):
+# its image has JAX with CUDA, Equinox and optax but no network and no install of this package.
+#   bash benchmarks/run_gpu_lent.sh COMMIT      # from the repository root; results under $OUT
+# COMMIT names the code in the results (the copy may lack its .git). MPX, where it is not
+# installed there, travels as a copy of its package folder in .whl/site/mpx (PYTHONPATH).
+# The runs go from the most to the least wanted, each section written as soon as it is
+# measured and packed every 20 s, so a run cut short by the lease keeps what it measured:
+# $OUT/results.tgz (the .md/.json reports), $OUT/hlo.tar (each step's optimised HLO, for
+# `benchmarks.gpu.reanalyse` and `benchmarks.kernel_breakdown`), $OUT/log.txt.
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# the policies as the wheel maps them (pyproject.toml package-dir): autocast.policies
+[ -e autocast/policies ] || ln -s ../policies autocast/policies
+export PYTHONPATH=$PWD/.whl/site PYTHONUNBUFFERED=1 AUTOCAST_GIT_COMMIT=${1:?the commit the tree is}
+OUT=${OUT:?set OUT to the folder the results go to}
+R=/tmp/res; H=/tmp/hlo; mkdir -p $R $H
+log=$OUT/log.txt
+t0=$(date +%s)
+{ date -u; nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv
+  python3 -c "import jax,equinox,optax;print('jax',jax.__version__,'eqx',equinox.__version__,'optax',optax.__version__,jax.devices())"
+} 2>&1 | tee -a "$log"
+pack() {
+  tar czf "$OUT/partial.tgz" -C /tmp res && mv "$OUT/partial.tgz" "$OUT/results.tgz"
+  tar cf "$OUT/partial-hlo.tar" -C /tmp hlo && mv "$OUT/partial-hlo.tar" "$OUT/hlo.tar"
+}
+(while sleep 20; do pack 2>/dev/null; done) &
+run() {
+  echo "== $(($(date +%s) - t0)) s: $*" | tee -a "$log"
+  PYTHON=python3 bash benchmarks/run_gpu.sh "$@" --save-hlo $H 2>&1 | grep --line-buffered -v "^|" | tee -a "$log"
+  pack
+}
+all=(fp32 autocast-bf16 autocast-fp8 mpx-bf16)
+run --models gpt2-small vit-base --systems "${all[@]}" --modes triton --out-dir $R/a
+run --models gpt-1b --systems autocast-bf16 autocast-fp8 --modes triton cublas --out-dir $R/b
+run --models gpt2-small --batch-mults 4 --systems "${all[@]}" --modes triton --out-dir $R/c
+run --models gpt2-small vit-base --systems "${all[@]}" --modes cublas --out-dir $R/d
+echo "== done $(($(date +%s) - t0)) s" | tee -a "$log"
