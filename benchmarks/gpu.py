@@ -152,10 +152,19 @@ def _prepare(task: Task, name: str, mode: str = "triton", hlo_path: Path | None 
 
 
 def measure_in_process(
-    task: Task, names: list[str], *, warmup: int, repeats: int, mode: str = "triton", hlo_prefix: Path | None = None
+    task: Task,
+    names: list[str],
+    *,
+    warmup: int,
+    repeats: int,
+    mode: str = "triton",
+    hlo_prefix: Path | None = None,
+    kernel_times: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Every system of ``names`` on ``task`` in this process; step times interleaved. Each
-    step's optimised HLO goes to ``<hlo_prefix>-<system>.hlo.gz`` if a prefix is given."""
+    step's optimised HLO goes to ``<hlo_prefix>-<system>.hlo.gz`` if a prefix is given, and
+    with ``kernel_times`` its GPU time per kernel, profiled after the timing, to
+    ``<hlo_prefix>-<system>.kernels.json`` (:mod:`benchmarks.kernel_times`)."""
     results: dict[str, dict[str, Any]] = {}
     runners = {}
     for name in names:
@@ -176,6 +185,14 @@ def measure_in_process(
         for name, t in timing.items():
             results[name]["median_step_s"] = t["median"]
             results[name]["iqr_step_s"] = t["iqr"]
+        if kernel_times and hlo_prefix is not None:
+            from benchmarks import kernel_times as KT
+
+            for name, (_, run) in runners.items():
+                per_kernel = KT.profile(run, C.block)
+                path = hlo_prefix.with_name(f"{hlo_prefix.name}-{name}.kernels.json")
+                path.write_text(json.dumps(per_kernel))
+                results[name]["profiled_gpu_ms"] = sum(v["us"] for v in per_kernel.values()) / 1e3
     return results
 
 
@@ -190,7 +207,15 @@ def _child(args: argparse.Namespace) -> None:
     model, name, mult, mode = args._child
     task = _task(model, args.smoke, int(mult))
     prefix = Path(args.save_hlo) / f"{model}-x{mult}-{mode}" if args.save_hlo else None
-    res = measure_in_process(task, [name], warmup=args.warmup, repeats=args.repeats, mode=mode, hlo_prefix=prefix)[name]
+    res = measure_in_process(
+        task,
+        [name],
+        warmup=args.warmup,
+        repeats=args.repeats,
+        mode=mode,
+        hlo_prefix=prefix,
+        kernel_times=args.kernel_times,
+    )[name]
     res["peak_bytes"] = C.device_peak_bytes()
     grads = res.pop("grads0", None)
     if grads is not None and os.environ.get("AUTOCAST_GPU_GRADS"):
@@ -209,6 +234,7 @@ def measure_isolated(args: argparse.Namespace, model: str, names: list[str], mul
         cmd = [sys.executable, "-m", "benchmarks.gpu", "--_child", model, name, str(mult), mode]
         cmd += ["--warmup", str(args.warmup), "--repeats", str(args.repeats)] + (["--smoke"] if args.smoke else [])
         cmd += ["--save-hlo", args.save_hlo] if args.save_hlo else []
+        cmd += ["--kernel-times"] if args.kernel_times else []
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
         if "fp32" in names:
             env["AUTOCAST_GPU_GRADS"] = str(grads_path)
@@ -344,6 +370,12 @@ def _parse(argv):
         default=None,
         help="batch sizes as multiples of each model's (default: 1 4 with --target, 1 measured; the 1B GPT: 1 only)",
     )
+    ap.add_argument(
+        "--kernel-times",
+        action="store_true",
+        help="with --save-hlo: profile one more step of each system, its GPU time per kernel to "
+        "DIR/<step>-<system>.kernels.json (python -m benchmarks.kernel_times compares it with the model)",
+    )
     ap.add_argument("--_child", nargs=4, metavar=("MODEL", "SYSTEM", "MULT", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.models = args.models or list(TARGET_MODELS if args.target else DEFAULT_MODELS)
@@ -352,6 +384,8 @@ def _parse(argv):
         args.modes = list(MODES) if args.target or args._child or jax.default_backend() == "gpu" else ["triton"]
     args.repeats = args.repeats if args.repeats is not None else (3 if args.smoke else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
+    if args.kernel_times and not args.save_hlo:
+        ap.error("--kernel-times: needs --save-hlo DIR (the kernel times are saved beside each step's HLO)")
     if any(m < 1 for m in args.batch_mults):
         ap.error(f"--batch-mults: got {args.batch_mults}; each must be an integer >= 1")
     for flag, v, low in (("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0)):
@@ -408,7 +442,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     else:
                         prefix = Path(args.save_hlo) / f"{model}-x{mult}-{mode}" if args.save_hlo else None
                         res = measure_in_process(
-                            task, names, warmup=args.warmup, repeats=args.repeats, mode=mode, hlo_prefix=prefix
+                            task,
+                            names,
+                            warmup=args.warmup,
+                            repeats=args.repeats,
+                            mode=mode,
+                            hlo_prefix=prefix,
+                            kernel_times=args.kernel_times,
                         )
                     ref = res.get("fp32", {}).get("grads0")
                     for r in res.values():

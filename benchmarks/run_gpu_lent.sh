@@ -7,7 +7,8 @@
 # The runs go from the most to the least wanted, each section written as soon as it is
 # measured and packed every 20 s, so a run cut short by the lease keeps what it measured:
 # $OUT/results.tgz (the .md/.json reports), $OUT/hlo.tar (each step's optimised HLO, for
-# `benchmarks.gpu.reanalyse` and `benchmarks.kernel_breakdown`), $OUT/log.txt.
+# `benchmarks.gpu.reanalyse` and `benchmarks.kernel_breakdown`, and the first runs' GPU time per
+# kernel, for `python -m benchmarks.kernel_times`), $OUT/log.txt.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # the policies as the wheel maps them (pyproject.toml package-dir): autocast.policies
@@ -31,7 +32,7 @@ run() {
   pack
 }
 all=(fp32 autocast-bf16 autocast-fp8 mpx-bf16)
-run --models gpt2-small vit-base --systems "${all[@]}" --modes triton --out-dir $R/a
+run --models gpt2-small vit-base --systems "${all[@]}" --modes triton --kernel-times --out-dir $R/a
 run --models gpt-1b --systems autocast-bf16 autocast-fp8 --modes triton cublas --out-dir $R/b
 run --models gpt2-small --batch-mults 4 --systems "${all[@]}" --modes triton --out-dir $R/c
 run --models gpt2-small vit-base --systems "${all[@]}" --modes cublas --out-dir $R/d

@@ -30,7 +30,8 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu")
     env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--smoke", "--out-dir", str(out), "--models", *MODELS],
+        ["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--smoke", "--out-dir", str(out), "--models", *MODELS]
+        + ["--save-hlo", str(out / "hlo"), "--kernel-times"],
         capture_output=True,
         text=True,
         env=env,
@@ -41,11 +42,11 @@ def smoke(tmp_path_factory):
     (js,) = out.glob("gpu-*-smoke.json")
     (md,) = out.glob("gpu-*-smoke.md")
     assert not list(out.glob("*.npz"))
-    return json.loads(js.read_text()), md.read_text(), js.name
+    return json.loads(js.read_text()), md.read_text(), js.name, out / "hlo"
 
 
 def test_every_model_and_system(smoke):
-    data, md, name = smoke
+    data, md, name, hlo = smoke
     assert name.startswith("gpu-cpu-") and data["smoke"] is True
     assert data["meta"]["backend"] == "cpu" and data["meta"]["versions"]["jax"]
     assert "--smoke" in data["command"]
@@ -69,6 +70,10 @@ def test_every_model_and_system(smoke):
         assert all(r["fp8"]["cublas_f8_gemms"] == 0 for r in res.values())  # CPU: no cuBLAS
         assert all("roofline" not in r for r in res.values())  # the H100 model reads GPU programs only
         assert f"### {model}, x1, triton GEMMs" in md
+        for system, r in res.items():  # each step's HLO and its kernel times (none measured on a CPU)
+            assert (hlo / f"{model}-x1-triton-{system}.hlo.gz").stat().st_size > 0
+            assert json.loads((hlo / f"{model}-x1-triton-{system}.kernels.json").read_text()) == {}
+            assert r["profiled_gpu_ms"] == 0
     assert "| autocast-fp8 |" in md and "n/a" in md
     if not gpu.mpx_available():
         assert "mpx-bf16: skipped" in md

@@ -1,0 +1,147 @@
+"""Measured GPU time per kernel of a train step, beside the roofline model's (a lent GPU).
+
+``python -m benchmarks.gpu ... --save-hlo DIR --kernel-times`` profiles one more step of each
+system after timing it (``jax.profiler.trace``, the Perfetto/Chrome trace JAX writes) and
+saves ``DIR/<step>-<system>.kernels.json``: the GPU time of every kernel name, per step.
+:func:`compare` joins that with the step's HLO (``DIR/<step>-<system>.hlo.gz``): XLA names a
+fusion's kernel after the fusion, so each measured kernel meets its modeled cost
+(:func:`benchmarks.hlo_model.kernel_costs`), and both are grouped as
+:func:`benchmarks.kernel_breakdown.breakdown` groups them (pass, part of the model, GEMM,
+recomputed). Library kernels (cuBLAS, cuDNN) carry their library's names: they are summed
+as ``library`` against the modeled custom calls. Where the model is wrong, this says where::
+
+    python -m benchmarks.kernel_times DIR gpt2-small-x1-triton autocast-bf16 mpx-bf16
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import re
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks import hlo_model as H
+from benchmarks import kernel_breakdown as B
+
+
+def gpu_kernel_times(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """``{kernel name: {"us": summed duration, "n": launches}}`` of a Chrome-format trace's
+    events on GPU devices (processes named ``/device:GPU:<i>``)."""
+    gpu_pids = {
+        e["pid"]
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "M" and e.get("name") == "process_name" and "/device:GPU" in e.get("args", {}).get("name", "")
+    }
+    out: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"us": 0.0, "n": 0})
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
+            out[e["name"]]["us"] += float(e["dur"])
+            out[e["name"]]["n"] += 1
+    return dict(out)
+
+
+def profile(run: Callable[[], Any], block: Callable[[Any], Any], steps: int = 2) -> dict[str, dict[str, float]]:
+    """GPU time per kernel name of ``steps`` calls of ``run`` (each blocked), per step
+    (empty where the trace has no GPU device, e.g. on CPU)."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(steps):
+                block(run())
+        paths = sorted(Path(tmp).rglob("*.trace.json.gz"))
+        if not paths:
+            raise RuntimeError(f"jax.profiler.trace wrote no *.trace.json.gz under {tmp}")
+        with gzip.open(paths[-1], "rt") as f:
+            times = gpu_kernel_times(json.load(f))
+    return {k: {"us": v["us"] / steps, "n": v["n"] / steps} for k, v in times.items()}
+
+
+def _key(name: str) -> str:
+    """A kernel's name as HLO and trace both spell it: XLA's ``.`` may be ``_`` in the trace."""
+    return name.replace(".", "_")
+
+
+def compare(hlo: str, measured: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Measured and modeled ms per kernel group of one step (see the module's docstring).
+
+    Returns ``{"groups": {group: {"measured_ms", "modeled_ms", "kernels"}}, "measured_ms",
+    "modeled_ms", "unmatched": [(name, ms), ...]}``; GEMM custom calls and the library
+    kernels no fusion name matches form the group ``library``."""
+    entry, comps = H.parse(hlo)
+    op_names = {}
+    for ins, _ in H.kernels(entry, comps):
+        m = re.search(r'op_name="([^"]*)"', ins.line)
+        op_names[ins.name] = m.group(1) if m else ""
+    left = {_key(k): v for k, v in measured.items()}
+    groups: dict[str, dict[str, float]] = collections.defaultdict(
+        lambda: {"measured_ms": 0.0, "modeled_ms": 0.0, "kernels": 0}
+    )
+    for k in H.kernel_costs(hlo):
+        op = op_names.get(k.name, "")
+        hit = left.pop(_key(k.name), None)
+        if hit is None and k.op == "custom-call":
+            group = "library"
+        else:
+            group = ("backward" if "transpose(" in op else "forward") + ": " + B.part(op)
+            group += ", GEMM" if k.flops else ""
+            group += ", recomputed" if "rematted_computation" in op else ""
+        g = groups[group]
+        g["modeled_ms"] += k.time_s * k.runs * 1e3
+        g["measured_ms"] += (hit or {"us": 0.0})["us"] / 1e3
+        g["kernels"] += k.runs
+    unmatched = sorted(((n, v["us"] / 1e3) for n, v in left.items()), key=lambda t: -t[1])
+    groups["library"]["measured_ms"] += sum(ms for _, ms in unmatched)
+    return {
+        "groups": dict(groups),
+        "measured_ms": sum(g["measured_ms"] for g in groups.values()),
+        "modeled_ms": sum(g["modeled_ms"] for g in groups.values()),
+        "unmatched": unmatched[:40],
+    }
+
+
+def render(step: str, results: dict[str, dict[str, Any]]) -> str:
+    """A markdown table: per group, each system's measured and modeled ms."""
+    systems = list(results)
+    groups = sorted({g for r in results.values() for g in r["groups"]})
+    lines = [
+        f"### {step}: measured GPU time per kernel group (modeled in brackets), ms per step",
+        "",
+        "| kernels | " + " | ".join(systems) + " |",
+        "|---|" + "---|" * len(systems),
+    ]
+    for g in [*groups, "all"]:
+        cells = []
+        for s in systems:
+            r = results[s] if g == "all" else results[s]["groups"].get(g)
+            cells.append(f"{r['measured_ms']:.3f} ({r['modeled_ms']:.3f})" if r else "-")
+        lines.append(f"| {g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> str:
+    """``DIR STEP SYSTEM [SYSTEM ...]``: the comparison table of those saved steps."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 3:
+        raise SystemExit("usage: python -m benchmarks.kernel_times DIR STEP SYSTEM [SYSTEM ...]")
+    hlo_dir, step, systems = Path(argv[0]), argv[1], argv[2:]
+    results = {}
+    for s in systems:
+        base = hlo_dir / f"{step}-{s}"
+        for suffix in (".hlo.gz", ".kernels.json"):
+            if not base.with_name(base.name + suffix).exists():
+                raise SystemExit(f"{hlo_dir}: no {base.name + suffix} (benchmarks.gpu --save-hlo DIR --kernel-times)")
+        hlo = gzip.decompress(base.with_name(base.name + ".hlo.gz").read_bytes()).decode()
+        results[s] = compare(hlo, json.loads(base.with_name(base.name + ".kernels.json").read_text()))
+    md = render(step, results)
+    print(md)
+    return md
+
+
+if __name__ == "__main__":
+    main()
