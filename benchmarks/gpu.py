@@ -515,7 +515,9 @@ def reanalyse(json_path: Path, hlo_dir: Path, device_kind: str | None = None) ->
                 if "error" not in res and path.exists():
                     res["roofline"] = hlo_model.roofline(gzip.decompress(path.read_bytes()).decode(), chip)
             mult, mode = key.split("-", 1)
-            sections.append(table(f"{model}, {mult}, {mode} GEMMs", run_["description"], run_["results"], "gpu"))
+            sections.append(
+                table(f"{model}, {mult}, {mode} GEMMs", run_["description"], run_["results"], report["meta"]["backend"])
+            )
     isolate = "each system in its own process" in json_path.with_suffix(".md").read_text()
     _write(json_path.with_suffix(""), report, sections, report.get("notes", []), isolate, report["wall_time_s"])
     print(f"rewrote {json_path} and its .md from {hlo_dir} ({chip.name})")
