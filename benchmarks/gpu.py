@@ -205,7 +205,9 @@ def _task(model: str, smoke: bool, mult: int) -> Task:
 def _child(args: argparse.Namespace) -> None:
     """One system in a fresh process: its peak device memory is its own."""
     model, name, mult, mode = args._child
+    t0 = time.perf_counter()
     task = _task(model, args.smoke, int(mult))
+    task_s = time.perf_counter() - t0
     prefix = Path(args.save_hlo) / f"{model}-x{mult}-{mode}" if args.save_hlo else None
     res = measure_in_process(
         task,
@@ -217,6 +219,10 @@ def _child(args: argparse.Namespace) -> None:
         kernel_times=args.kernel_times,
     )[name]
     res["peak_bytes"] = C.device_peak_bytes()
+    # where a lease's minutes go: the process's start (Python, imports, the backend), the
+    # model's arrays, the step (trace, compile, steps); the parent adds the whole process
+    start = time.time() - float(os.environ.get("AUTOCAST_GPU_LAUNCH", "nan")) - (time.perf_counter() - t0)
+    res["phases_s"] = {"start": start, "task": task_s, "measure": time.perf_counter() - t0 - task_s}
     grads = res.pop("grads0", None)
     if grads is not None and os.environ.get("AUTOCAST_GPU_GRADS"):
         np.savez(
@@ -240,9 +246,12 @@ def measure_isolated(args: argparse.Namespace, model: str, names: list[str], mul
             env["AUTOCAST_GPU_GRADS"] = str(grads_path)
         root = Path(__file__).resolve().parent.parent
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        t0 = time.perf_counter()
+        env["AUTOCAST_GPU_LAUNCH"] = repr(time.time())
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
         try:
             res = json.loads(proc.stdout.strip().splitlines()[-1])
+            res["phases_s"]["process"] = time.perf_counter() - t0
         except (IndexError, ValueError):
             res = {"error": (proc.stderr.strip().splitlines() or ["child failed"])[-1][:300]}
         if grads_path.exists():

@@ -172,3 +172,18 @@ def test_reanalyse_models_a_measured_report_again_from_its_hlo(tmp_path):
     assert out["roofline"] == hlo_model.roofline(CUBLAS_BF16, hlo_model.H200_SXM)
     md = path.with_suffix(".md").read_text()
     assert "H200 SXM's datasheet rates" in md and "- a note" in md and "| fp32 | 1.00 ms |" in md
+
+
+def test_isolated_systems_say_where_their_process_time_goes(tmp_path):
+    """``--isolate yes`` (the default on a GPU): each system in a child process, which saves
+    its HLO and kernel times where asked and reports the phases of its wall time."""
+    report = gpu.main(
+        ["--smoke", "--isolate", "yes", "--models", "gpt2-small", "--systems", "autocast-bf16", "--out-dir"]
+        + [str(tmp_path), "--save-hlo", str(tmp_path / "hlo"), "--kernel-times"]
+    )
+    r = report["models"]["gpt2-small"]["runs"]["x1-triton"]["results"]["autocast-bf16"]
+    assert "error" not in r and r["median_step_s"] > 0
+    phases = r["phases_s"]
+    assert all(phases[k] > 0 for k in ("start", "task", "measure", "process"))
+    assert phases["start"] + phases["task"] + phases["measure"] <= phases["process"] * 1.01
+    assert (tmp_path / "hlo" / "gpt2-small-x1-triton-autocast-bf16.kernels.json").exists()
