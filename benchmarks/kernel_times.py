@@ -67,6 +67,19 @@ def _key(name: str) -> str:
     return name.replace(".", "_")
 
 
+def _take(left: dict[str, dict[str, float]], key: str) -> dict[str, float] | None:
+    """The measured time of the kernel(s) named ``key``, removed from ``left``: the exact name,
+    or names that only add a non-numeric suffix (``<fusion>_impl``: a kernel XLA emits for a
+    fusion under a name of its own; ``_12`` would be another fusion)."""
+    names = (
+        [key] if key in left else [n for n in left if n.startswith(key + "_") and not n[len(key) + 1 :][:1].isdigit()]
+    )
+    if not names:
+        return None
+    taken = [left.pop(n) for n in names]
+    return {"us": sum(t["us"] for t in taken), "n": sum(t["n"] for t in taken)}
+
+
 def compare(hlo: str, measured: dict[str, dict[str, float]]) -> dict[str, Any]:
     """Measured and modeled ms per kernel group of one step (see the module's docstring).
 
@@ -84,7 +97,7 @@ def compare(hlo: str, measured: dict[str, dict[str, float]]) -> dict[str, Any]:
     )
     for k in H.kernel_costs(hlo):
         op = op_names.get(k.name, "")
-        hit = left.pop(_key(k.name), None)
+        hit = _take(left, _key(k.name))
         if hit is None and k.op == "custom-call":
             group = "library"
         else:

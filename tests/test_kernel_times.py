@@ -42,6 +42,11 @@ def test_measured_kernels_meet_their_modeled_cost_by_name():
     (gemm,) = [g for k, g in out["groups"].items() if k.endswith("GEMM")]
     assert gemm == {"measured_ms": 0.03, "modeled_ms": pytest.approx(costs["gemm_fusion_dot"]), "kernels": 1}
     assert out["measured_ms"] == pytest.approx(0.038) and out["modeled_ms"] == pytest.approx(sum(costs.values()))
+    # a kernel named after its fusion with a suffix of its own is that fusion's; another
+    # fusion's number is not
+    suffixed = {"gemm_fusion_dot_impl": {"us": 30.0, "n": 1}, "loop_reduce_fusion_1": {"us": 8.0, "n": 1}}
+    out = KT.compare(TRITON_SPLIT_K, suffixed)
+    assert out["measured_ms"] == pytest.approx(0.038) and out["unmatched"] == [("loop_reduce_fusion_1", 0.008)]
     out = KT.compare(CUBLAS_BF16, {"sm90_xmma_gemm_bf16bf16_bf16f32": {"us": 12.0, "n": 1}})
     assert out["groups"]["library"]["measured_ms"] == pytest.approx(0.012)
     assert out["groups"]["library"]["modeled_ms"] == pytest.approx(H.kernel_costs(CUBLAS_BF16)[0].time_s * 1e3)
