@@ -196,6 +196,12 @@ def measure_in_process(
     return results
 
 
+def _step_prefix(args: argparse.Namespace, model: str, mult: int | str, mode: str) -> Path | None:
+    """``DIR/<model>-x<mult>-<mode>``: where a step's files go under ``--save-hlo DIR`` (the
+    ``--target`` run's names), None without it."""
+    return Path(args.save_hlo) / f"{model}-x{mult}-{mode}" if args.save_hlo else None
+
+
 def _task(model: str, smoke: bool, mult: int) -> Task:
     """The model's task with real arrays, its batch ``mult`` times as large."""
     task = (SMOKE_MODELS if smoke else MODELS)[model]().materialise()
@@ -208,14 +214,13 @@ def _child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     task = _task(model, args.smoke, int(mult))
     task_s = time.perf_counter() - t0
-    prefix = Path(args.save_hlo) / f"{model}-x{mult}-{mode}" if args.save_hlo else None
     res = measure_in_process(
         task,
         [name],
         warmup=args.warmup,
         repeats=args.repeats,
         mode=mode,
-        hlo_prefix=prefix,
+        hlo_prefix=_step_prefix(args, model, mult, mode),
         kernel_times=args.kernel_times,
     )[name]
     res["peak_bytes"] = C.device_peak_bytes()
@@ -440,23 +445,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stem = out_dir / f"gpu-{slug}-{date}{'-smoke' if args.smoke else ''}"
     print(f"GPU benchmark on {backend} ({device}), jax {jax.__version__}; models {args.models}, systems {names}")
     report: dict[str, Any] = {"command": cmd, "meta": meta, "args": vars(args), "smoke": args.smoke, "models": {}}
+    report["isolated"] = isolate
     sections = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             for mult in [1] if model in X1_ONLY else args.batch_mults:
                 for mode in args.modes:
-                    task = _task(model, args.smoke, mult) if not isolate else None
                     if isolate:
                         res = measure_isolated(args, model, names, mult, mode, Path(tmp))
                     else:
-                        prefix = Path(args.save_hlo) / f"{model}-x{mult}-{mode}" if args.save_hlo else None
                         res = measure_in_process(
-                            task,
+                            _task(model, args.smoke, mult),
                             names,
                             warmup=args.warmup,
                             repeats=args.repeats,
                             mode=mode,
-                            hlo_prefix=prefix,
+                            hlo_prefix=_step_prefix(args, model, mult, mode),
                             kernel_times=args.kernel_times,
                         )
                     ref = res.get("fp32", {}).get("grads0")
@@ -471,18 +475,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     entry["runs"][f"x{mult}-{mode}"] = {"description": desc, "results": res}
                     sections.append(table(f"{model}, x{mult}, {mode} GEMMs", desc, res, backend))
                     print(sections[-1], flush=True)
-                    _write(
-                        stem, report, sections, notes, isolate, time.perf_counter() - t0
-                    )  # a run cut short keeps what it has
+                    report["notes"], report["wall_time_s"] = notes, time.perf_counter() - t0
+                    _write(stem, report, sections)  # a run cut short keeps what it has
     print(f"wrote {stem}.md and .json ({report['wall_time_s']:.0f} s)")
     report["paths"] = [str(stem.with_suffix(".md")), str(stem.with_suffix(".json"))]
     return report
 
 
-def _write(stem: Path, report: dict[str, Any], sections: list[str], notes: list[str], isolate: bool, wall: float):
-    report["wall_time_s"] = wall
-    report["notes"] = notes
+def _write(stem: Path, report: dict[str, Any], sections: list[str]) -> None:
+    """The report as ``stem.json`` and ``stem.md`` (``sections``: its tables)."""
     C.write_json(stem.with_suffix(".json"), report)
+    wall, notes = report["wall_time_s"], report.get("notes", [])
     args, backend, device = report["args"], report["meta"]["backend"], report["meta"].get("device", "")
     chip = next((r["roofline"]["chip"] for e in report["models"].values() for run in e["runs"].values()
                  for r in run["results"].values() if "roofline" in r), None)  # fmt: skip
@@ -498,7 +501,7 @@ def _write(stem: Path, report: dict[str, Any], sections: list[str], notes: list[
         f"## Training-step benchmark ({backend}: {device})\n\nCommand: `{report['command']}`\n\n"
         f"{C.metadata_markdown(report['meta'])}"
         f"- wall time: {wall / 60:.1f} min; {args['warmup']} warm-up and {args['repeats']} timed steps per system, "
-        f"{'each system in its own process' if isolate else 'all systems in one process, interleaved'}\n\n"
+        f"{'each system in its own process' if report['isolated'] else 'all systems in one process, interleaved'}\n\n"
         "Gradient error: relative L2 error of the step-0 gradient (all parameters) against fp32's, same "
         "parameters and batch. fp8 GEMMs: cuBLASLt float8 GEMM custom calls in the compiled step (GPU), "
         "dot_generals with float8_e4m3fn operands in the lowered StableHLO.\n\n"
@@ -527,8 +530,7 @@ def reanalyse(json_path: Path, hlo_dir: Path, device_kind: str | None = None) ->
             sections.append(
                 table(f"{model}, {mult}, {mode} GEMMs", run_["description"], run_["results"], report["meta"]["backend"])
             )
-    isolate = "each system in its own process" in json_path.with_suffix(".md").read_text()
-    _write(json_path.with_suffix(""), report, sections, report.get("notes", []), isolate, report["wall_time_s"])
+    _write(json_path.with_suffix(""), report, sections)
     print(f"rewrote {json_path} and its .md from {hlo_dir} ({chip.name})")
 
 

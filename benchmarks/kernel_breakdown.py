@@ -55,19 +55,28 @@ def part(op_name: str) -> str:
     return "other"
 
 
-def breakdown(hlo: str) -> dict[str, dict[str, float]]:
-    """``{"<pass>: <part>[, GEMM][, recomputed]": {"ms", "MiB", "kernels"}}`` of one step."""
+def kernel_groups(hlo: str) -> list[tuple[str, H.Kernel]]:
+    """Every launched kernel's modeled cost with its group, ``"<pass>: <part>[, GEMM][,
+    recomputed]"``, read off the op name XLA gives the kernel."""
     entry, comps = H.parse(hlo)
     names = {}
     for ins, _ in H.kernels(entry, comps):
         m = re.search(r'op_name="([^"]*)"', ins.line)
         names[ins.name] = m.group(1) if m else ""
-    rows: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"ms": 0.0, "MiB": 0.0, "kernels": 0})
+    out = []
     for k in H.kernel_costs(hlo):
         op = names.get(k.name, "")
         key = ("backward" if "transpose(" in op else "forward") + ": " + part(op)
         key += ", GEMM" if k.flops else ""
         key += ", recomputed" if "rematted_computation" in op else ""
+        out.append((key, k))
+    return out
+
+
+def breakdown(hlo: str) -> dict[str, dict[str, float]]:
+    """``{"<pass>: <part>[, GEMM][, recomputed]": {"ms", "MiB", "kernels"}}`` of one step."""
+    rows: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"ms": 0.0, "MiB": 0.0, "kernels": 0})
+    for key, k in kernel_groups(hlo):
         r = rows[key]
         r["ms"] += k.time_s * k.runs * 1e3
         r["MiB"] += k.bytes * k.runs / 2**20

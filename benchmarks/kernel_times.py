@@ -18,14 +18,12 @@ from __future__ import annotations
 import collections
 import gzip
 import json
-import re
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import hlo_model as H
 from benchmarks import kernel_breakdown as B
 
 
@@ -86,24 +84,14 @@ def compare(hlo: str, measured: dict[str, dict[str, float]]) -> dict[str, Any]:
     Returns ``{"groups": {group: {"measured_ms", "modeled_ms", "kernels"}}, "measured_ms",
     "modeled_ms", "unmatched": [(name, ms), ...]}``; GEMM custom calls and the library
     kernels no fusion name matches form the group ``library``."""
-    entry, comps = H.parse(hlo)
-    op_names = {}
-    for ins, _ in H.kernels(entry, comps):
-        m = re.search(r'op_name="([^"]*)"', ins.line)
-        op_names[ins.name] = m.group(1) if m else ""
     left = {_key(k): v for k, v in measured.items()}
     groups: dict[str, dict[str, float]] = collections.defaultdict(
         lambda: {"measured_ms": 0.0, "modeled_ms": 0.0, "kernels": 0}
     )
-    for k in H.kernel_costs(hlo):
-        op = op_names.get(k.name, "")
+    for group, k in B.kernel_groups(hlo):
         hit = _take(left, _key(k.name))
         if hit is None and k.op == "custom-call":
             group = "library"
-        else:
-            group = ("backward" if "transpose(" in op else "forward") + ": " + B.part(op)
-            group += ", GEMM" if k.flops else ""
-            group += ", recomputed" if "rematted_computation" in op else ""
         g = groups[group]
         g["modeled_ms"] += k.time_s * k.runs * 1e3
         g["measured_ms"] += (hit or {"us": 0.0})["us"] / 1e3

@@ -162,16 +162,16 @@ def test_reanalyse_models_a_measured_report_again_from_its_hlo(tmp_path):
         "models": {"m": {"runs": {"x1-triton": {"description": "tiny", "results": {"fp32": _measured(1.0, 9.0)}}}}},
         "wall_time_s": 1.0,
         "notes": ["- a note"],
+        "isolated": True,
     }
     path = tmp_path / "gpu-h200.json"
     path.write_text(json.dumps(report))
-    path.with_suffix(".md").write_text("each system in its own process")
     gpu.reanalyse(path, hlo_dir)
     out = json.loads(path.read_text())["models"]["m"]["runs"]["x1-triton"]["results"]["fp32"]
     assert out["median_step_s"] == 1e-3
     assert out["roofline"] == hlo_model.roofline(CUBLAS_BF16, hlo_model.H200_SXM)
     md = path.with_suffix(".md").read_text()
-    assert "H200 SXM's datasheet rates" in md and "- a note" in md and "| fp32 | 1.00 ms |" in md
+    assert "H200 SXM's datasheet rates" in md and "- a note" in md and "each system in its own process" in md and "| fp32 | 1.00 ms |" in md
 
 
 def test_isolated_systems_say_where_their_process_time_goes(tmp_path):
