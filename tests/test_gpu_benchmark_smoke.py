@@ -171,7 +171,12 @@ def test_reanalyse_models_a_measured_report_again_from_its_hlo(tmp_path):
     assert out["median_step_s"] == 1e-3
     assert out["roofline"] == hlo_model.roofline(CUBLAS_BF16, hlo_model.H200_SXM)
     md = path.with_suffix(".md").read_text()
-    assert "H200 SXM's datasheet rates" in md and "- a note" in md and "each system in its own process" in md and "| fp32 | 1.00 ms |" in md
+    assert (
+        "H200 SXM's datasheet rates" in md
+        and "- a note" in md
+        and "each system in its own process" in md
+        and "| fp32 | 1.00 ms |" in md
+    )
 
 
 def test_isolated_systems_say_where_their_process_time_goes(tmp_path):
