@@ -27,25 +27,38 @@ from typing import Any
 from benchmarks import kernel_breakdown as B
 
 
-def gpu_kernel_times(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """``{kernel name: {"us": summed duration, "n": launches}}`` of a Chrome-format trace's
-    events on GPU devices (processes named ``/device:GPU:<i>``)."""
+def gpu_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """The complete events (``ph == "X"``) of a Chrome-format trace on GPU devices (processes
+    named ``/device:GPU:<i>``), as ``{"name", "ts", "dur", "tid"}`` in time order."""
     gpu_pids = {
         e["pid"]
         for e in trace.get("traceEvents", [])
         if e.get("ph") == "M" and e.get("name") == "process_name" and "/device:GPU" in e.get("args", {}).get("name", "")
     }
+    events = [
+        {"name": e["name"], "ts": float(e.get("ts", 0.0)), "dur": float(e["dur"]), "tid": e.get("tid")}
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e
+    ]
+    return sorted(events, key=lambda e: e["ts"])
+
+
+def gpu_kernel_times(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """``{kernel name: {"us": summed duration, "n": launches}}`` of a Chrome-format trace's
+    events on GPU devices (:func:`gpu_events`)."""
     out: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"us": 0.0, "n": 0})
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
-            out[e["name"]]["us"] += float(e["dur"])
-            out[e["name"]]["n"] += 1
+    for e in gpu_events(trace):
+        out[e["name"]]["us"] += e["dur"]
+        out[e["name"]]["n"] += 1
     return dict(out)
 
 
-def profile(run: Callable[[], Any], block: Callable[[Any], Any], steps: int = 2) -> dict[str, dict[str, float]]:
+def profile(
+    run: Callable[[], Any], block: Callable[[Any], Any], steps: int = 2, events_path: Path | None = None
+) -> dict[str, dict[str, float]]:
     """GPU time per kernel name of ``steps`` calls of ``run`` (each blocked), per step
-    (empty where the trace has no GPU device, e.g. on CPU)."""
+    (empty where the trace has no GPU device, e.g. on CPU). With ``events_path``, the GPU
+    events themselves (:func:`gpu_events`: order, start, stream) go there as gzipped JSON."""
     import jax
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,7 +69,10 @@ def profile(run: Callable[[], Any], block: Callable[[Any], Any], steps: int = 2)
         if not paths:
             raise RuntimeError(f"jax.profiler.trace wrote no *.trace.json.gz under {tmp}")
         with gzip.open(paths[-1], "rt") as f:
-            times = gpu_kernel_times(json.load(f))
+            trace = json.load(f)
+    if events_path is not None:
+        events_path.write_bytes(gzip.compress(json.dumps(gpu_events(trace)).encode()))
+    times = gpu_kernel_times(trace)
     return {k: {"us": v["us"] / steps, "n": v["n"] / steps} for k, v in times.items()}
 
 

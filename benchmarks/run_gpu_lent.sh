@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The measured benchmark on a lent GPU machine (docs/gpu-benchmark.md, "Measured on a lent GPU"):
 # its image has JAX with CUDA, Equinox and optax but no network and no install of this package.
-#   bash benchmarks/run_gpu_lent.sh COMMIT      # from the repository root; results under $OUT
-# COMMIT names the code in the results (the copy may lack its .git). MPX, where it is not
+#   bash benchmarks/run_gpu_lent.sh COMMIT [SECTION ...]   # from the repository root; results under $OUT
+# COMMIT names the code in the results (the copy may lack its .git); SECTIONs (1-5, below; all
+# by default) pick the runs, so that a lease can be split over two calls. MPX, where it is not
 # installed there, travels as a copy of its package folder in .whl/site/mpx (PYTHONPATH).
 # The runs go from the most to the least wanted (about 75 s a step on an H200: a 15-minute
 # lease measures about eight), each section written as soon as it is
@@ -33,13 +34,21 @@ run() {
   pack
 }
 all=(fp32 autocast-bf16 autocast-fp8 mpx-bf16)
-# 1. where amp bf16's step time goes against MPX's, kernel by kernel (2026-11-26: 1.16x measured, 1.04x modeled)
-run --models gpt2-small --systems autocast-bf16 mpx-bf16 --modes triton --kernel-times --out-dir $R/a
-# 2. float8 where it is used in practice: the 1B GPT (modeled 1.16x over bf16)
-run --models gpt-1b --systems autocast-bf16 autocast-fp8 --modes triton --kernel-times --out-dir $R/b
-# 3. the batch where fp8 turns on in GPT-2 small, and the x4 speed-ups over fp32
-run --models gpt2-small --batch-mults 4 --systems "${all[@]}" --modes triton --out-dir $R/c
-# 4. ViT-Base; then the cuBLAS mode
-run --models vit-base --systems "${all[@]}" --modes triton --out-dir $R/d
-run --models gpt2-small gpt-1b --systems autocast-bf16 autocast-fp8 mpx-bf16 --modes cublas --out-dir $R/e
+section() {
+  case $1 in
+  # 1. where amp bf16's step time goes against MPX's, kernel by kernel (2026-11-26: 1.16x measured,
+  #    1.04x modeled), and what the float32 islands' recomputation costs (amp without it)
+  1) run --models gpt2-small --systems autocast-bf16 autocast-bf16-noremat mpx-bf16 --modes triton --kernel-times --out-dir $R/a ;;
+  # 2. float8 where it is used in practice: the 1B GPT (modeled 1.16x over bf16)
+  2) run --models gpt-1b --systems autocast-bf16 autocast-fp8 --modes triton --kernel-times --out-dir $R/b ;;
+  # 3. the batch where fp8 turns on in GPT-2 small, and the x4 speed-ups over fp32
+  3) run --models gpt2-small --batch-mults 4 --systems "${all[@]}" --modes triton --out-dir $R/c ;;
+  # 4. ViT-Base; 5. the cuBLAS mode
+  4) run --models vit-base --systems "${all[@]}" --modes triton --out-dir $R/d ;;
+  5) run --models gpt2-small gpt-1b --systems autocast-bf16 autocast-fp8 mpx-bf16 --modes cublas --out-dir $R/e ;;
+  *) echo "unknown section $1 (1-5)" | tee -a "$log" ;;
+  esac
+}
+shift
+for s in "${@:-1 2 3 4 5}"; do for t in $s; do section "$t"; done; done
 echo "== done $(($(date +%s) - t0)) s" | tee -a "$log"

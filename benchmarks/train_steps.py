@@ -13,7 +13,7 @@ GPU target (:mod:`benchmarks.deviceless`); nothing here measures or compiles.
   says it pays; the smoke models, all too small for that, every matmul); ``autocast-bf16-sr``: amp bf16 with
   the parameters and AdamW's moments stored in bfloat16, updated with stochastic rounding
   (``autocast.to_half_params``, ``autocast.half_state``; docs/memory.md); ``mpx-bf16``, the
-  MPX recipe.
+  MPX recipe; on request (:data:`EXTRA_SYSTEMS`), ``autocast-bf16-noremat``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ from benchmarks.vit import SHAPES, ViT, ViTConfig, cross_entropy, synthetic_batc
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 SYSTEMS = ("fp32", "autocast-bf16", "autocast-f16", "autocast-fp8", "autocast-bf16-sr", "mpx-bf16")
+EXTRA_SYSTEMS = ("autocast-bf16-noremat",)
+"""Built on request only (``--systems``): amp bf16 with ``remat_float32=False`` (no float32
+island recomputed in the backward pass: what the recomputation costs in time and saves in
+memory)."""
 
 # ----------------------------------------------------------------------------- models
 
@@ -278,12 +282,13 @@ def build_system(name: str, task: Task, static: Any, opt: Any) -> System:
 
         return System(name, step, autocast.NoOpScalerState(), store_params=autocast.to_half_params, optimizer=half_opt)
     if name.startswith("autocast"):
-        dtype = {"autocast-bf16": BF16, "autocast-f16": F16, "autocast-fp8": BF16}[name]
+        dtype = {"autocast-bf16": BF16, "autocast-f16": F16, "autocast-fp8": BF16, "autocast-bf16-noremat": BF16}[name]
         policy = None
         if name == "autocast-fp8":  # the shipped float8 policy, its cost check for the task's GPU
             rule = autocast.use_float8(target=task.fp8_target)
             policy = autocast.extend_policy({jax.lax.dot_general_p: rule}, base=autocast.load_policy("fp8"))
-        amp_loss = autocast.amp(task.loss, compute_dtype=dtype, amp_policy=policy)
+        remat = False if name == "autocast-bf16-noremat" else "auto"
+        amp_loss = autocast.amp(task.loss, compute_dtype=dtype, amp_policy=policy, remat_float32=remat)
         gfn = autocast.dynamic_scale_value_and_grad(amp_loss)
 
         def step(p, opt_state, scaler, batch):
@@ -313,4 +318,4 @@ def build_system(name: str, task: Task, static: Any, opt: Any) -> System:
             loss_scaling=jnp.asarray(2.0**15, F32), min_loss_scaling=jnp.asarray(1.0, F32), period=2000
         )
         return System(name, step, scaler, functools.partial(C.mpx_half_dtype, BF16))
-    raise ValueError(f"system {name!r} unknown; allowed: {list(SYSTEMS)}")
+    raise ValueError(f"system {name!r} unknown; allowed: {list(SYSTEMS + EXTRA_SYSTEMS)}")

@@ -73,6 +73,7 @@ def test_every_model_and_system(smoke):
         for system, r in res.items():  # each step's HLO and its kernel times (none measured on a CPU)
             assert (hlo / f"{model}-x1-triton-{system}.hlo.gz").stat().st_size > 0
             assert json.loads((hlo / f"{model}-x1-triton-{system}.kernels.json").read_text()) == {}
+            assert (hlo / f"{model}-x1-triton-{system}.events.json.gz").exists()
             assert r["profiled_gpu_ms"] == 0
     assert "| autocast-fp8 |" in md and "n/a" in md
     if not gpu.mpx_available():

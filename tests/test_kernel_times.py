@@ -31,6 +31,11 @@ def _trace(events: list[tuple[int, str, float]]) -> dict:
 def test_gpu_events_are_summed_by_kernel_name():
     trace = _trace([(7, "loop_fusion_1", 10.0), (7, "loop_fusion_1", 5.0), (1, "loop_fusion_1", 99.0), (7, "k", 2.0)])
     assert KT.gpu_kernel_times(trace) == {"loop_fusion_1": {"us": 15.0, "n": 2}, "k": {"us": 2.0, "n": 1}}
+    assert [(e["name"], e["dur"]) for e in KT.gpu_events(trace)] == [
+        ("loop_fusion_1", 10.0),
+        ("loop_fusion_1", 5.0),
+        ("k", 2.0),
+    ]
 
 
 def test_measured_kernels_meet_their_modeled_cost_by_name():
@@ -65,7 +70,7 @@ def test_saved_steps_are_compared_system_by_system(tmp_path, capsys):
         KT.main([str(tmp_path), "s-x1-triton", "c"])
 
 
-def test_profile_runs_the_step_under_the_profiler():
+def test_profile_runs_the_step_under_the_profiler(tmp_path):
     """On CPU the trace has no GPU process: nothing measured, but the step ran under it."""
     calls = []
     f = jax.jit(lambda x: jnp.sin(x) * 2)
@@ -74,8 +79,10 @@ def test_profile_runs_the_step_under_the_profiler():
         calls.append(1)
         return f(jnp.ones(8))
 
-    assert KT.profile(run, jax.block_until_ready, steps=2) == {}
+    events = tmp_path / "step.events.json.gz"
+    assert KT.profile(run, jax.block_until_ready, steps=2, events_path=events) == {}
     assert len(calls) == 2
+    assert json.loads(gzip.decompress(events.read_bytes())) == []  # the GPU's events: none on a CPU
 
 
 def test_kernel_times_need_a_folder():
