@@ -49,8 +49,13 @@ def _version(name: str) -> str | None:
 
 
 def _git_commit() -> str | None:
+    """The repository's commit (``+dirty`` with uncommitted changes), or, where the caller
+    names it in ``AUTOCAST_GIT_COMMIT``, that (a copy of the tree sent to a lent GPU
+    machine: its ``.git``, if any, is not the tree's)."""
     import subprocess
 
+    if os.environ.get("AUTOCAST_GIT_COMMIT"):
+        return os.environ["AUTOCAST_GIT_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(
@@ -64,8 +69,7 @@ def _git_commit() -> str | None:
             text=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        # a copy of the tree without its .git (a lent GPU machine): the commit the caller names
-        return os.environ.get("AUTOCAST_GIT_COMMIT")
+        return None
     return sha + ("+dirty" if dirty else "")
 
 
@@ -172,6 +176,26 @@ def interleaved_medians(
             "times": list(ts),
         }
     return out
+
+
+def pipelined_medians(
+    runners: dict[str, Callable[[], Any]], *, steps: int = 10, rounds: int = 3
+) -> dict[str, dict[str, float]]:
+    """Seconds per call of each runner when ``steps`` calls are dispatched back to back and
+    only the last is waited for (a training loop that does not read each step's loss):
+    the host prepares the next call while the device runs the last, so this is the
+    device's time per step where the host keeps ahead. Median over ``rounds`` rounds, the
+    runners round-robin. Returns ``{name: {median, min, rounds}}``."""
+    per: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, fn in runners.items():
+            t0 = time.perf_counter()
+            out = None
+            for _ in range(steps):
+                out = fn()
+            block(out)
+            per[name].append((time.perf_counter() - t0) / steps)
+    return {name: {"median": statistics.median(ts), "min": min(ts), "rounds": len(ts)} for name, ts in per.items()}
 
 
 def paired_ratio(timing: dict[str, dict[str, Any]], name: str, base: str) -> float:

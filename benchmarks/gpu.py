@@ -12,7 +12,10 @@ the system uses it) of every system is compiled and measured:
   and the MPX paper's "desktop" ViT (``benchmarks/vit.py``), and a GPT-2-small-sized causal
   transformer (12 blocks, width 768, 12 heads, 1024 tokens, vocabulary 50257, tied
   embeddings); ``--models gpt-1b``: a 1B-parameter GPT (16 blocks, width 2048, 2048 tokens);
-- numbers: median step time (calls interleaved across systems), peak device memory
+- numbers: median step time (each step waited for, calls interleaved across systems), the
+  time per step of steps dispatched back to back (only the last waited for: the host's
+  work per call overlaps the device's, as in a training loop that does not read every
+  loss), peak device memory
   (``device.memory_stats()``; each system in its own process on a GPU/TPU; ``n/a`` on
   CPU), the relative L2 error of the step-0 gradient against ``fp32``'s, and whether the
   step holds float8 GEMMs: ``__cublas$lt$matmul$f8`` custom calls in the compiled HLO (GPU),
@@ -183,9 +186,11 @@ def measure_in_process(
             for system, _ in runners.values():
                 stack.enter_context(system.context())
             timing = C.interleaved_medians({n: r for n, (_, r) in runners.items()}, warmup=warmup, repeats=repeats)
+            piped = C.pipelined_medians({n: r for n, (_, r) in runners.items()}, steps=max(2, repeats // 2))
         for name, t in timing.items():
             results[name]["median_step_s"] = t["median"]
             results[name]["iqr_step_s"] = t["iqr"]
+            results[name]["pipelined_step_s"] = piped[name]["median"]
         if kernel_times and hlo_prefix is not None:
             from benchmarks import kernel_times as KT
 
@@ -277,6 +282,8 @@ def _summary(res: dict[str, Any]) -> str:
     if "error" in res:
         return res["error"]
     line = f"{res['median_step_s'] * 1e3:.2f} ms measured"
+    if "pipelined_step_s" in res:
+        line += f" ({res['pipelined_step_s'] * 1e3:.2f} ms back to back)"
     if "roofline" in res:
         line += f", {res['roofline']['time_s'] * 1e3:.2f} ms modeled"
     return line + f", compile {res['compile_s']:.0f} s"
@@ -299,10 +306,13 @@ def _fp8_cell(res: dict[str, Any], backend: str) -> str:
 
 
 def _vs(r: dict[str, Any], base: dict[str, Any] | None, key: str) -> str:
-    """``r`` 's time over ``base`` 's: measured, and (on a GPU) modeled in brackets."""
+    """``r`` 's time over ``base`` 's: measured (each step waited for / steps back to back),
+    and (on a GPU) modeled in brackets."""
     if not base or "error" in base or "error" in r:
         return "-"
     cell = f"{r['median_step_s'] / base['median_step_s']:.2f}x"
+    if r.get("pipelined_step_s") and base.get("pipelined_step_s"):
+        cell += f" / {r['pipelined_step_s'] / base['pipelined_step_s']:.2f}x"
     if "roofline" in r and "roofline" in base:
         cell += f" ({r['roofline'][key] / base['roofline'][key]:.2f}x)"
     return cell
@@ -314,21 +324,23 @@ def table(title: str, desc: str, results: dict[str, dict[str, Any]], backend: st
     fp32, mpx = results.get("fp32"), results.get("mpx-bf16")
     rows = [
         f"### {title}\n\n{desc}\n",
-        "| system | median step time | modeled (roofline) | measured / modeled | vs fp32 | vs MPX bf16 "
-        "| peak device memory | step-0 gradient error vs fp32 | fp8 GEMMs |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| system | median step time | back to back | modeled (roofline) | measured / modeled | vs fp32 "
+        "| vs MPX bf16 | peak device memory | step-0 gradient error vs fp32 | fp8 GEMMs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if "error" in r:
-            rows.append(f"| {name} | failed: {r['error']} | | | | | | | |")
+            rows.append(f"| {name} | failed: {r['error']} | | | | | | | | |")
             continue
         t = r.get("median_step_s")
+        piped = r.get("pipelined_step_s")
         model_t = r.get("roofline", {}).get("time_s")
         peak = r.get("peak_bytes")
         err = r.get("grad_err_vs_fp32")
         err_cell = "non-finite (step skipped by the loss scaler)" if err is None and "grad_err_vs_fp32" in r else None
         rows.append(
-            f"| {name} | {_fmt(t and t * 1e3, '.2f', ' ms')} | {_fmt(model_t and model_t * 1e3, '.2f', ' ms')} | "
+            f"| {name} | {_fmt(t and t * 1e3, '.2f', ' ms')} | {_fmt(piped and piped * 1e3, '.2f', ' ms')} | "
+            f"{_fmt(model_t and model_t * 1e3, '.2f', ' ms')} | "
             f"{_fmt(t / model_t if t and model_t else None, '.2f', 'x')} | {_vs(r, fp32, 'time_s')} | "
             f"{_vs(r, mpx, 'time_s')} | {'n/a' if peak is None else C.fmt_bytes(peak)} | "
             f"{err_cell or _fmt(err, '.2e')} | {_fp8_cell(r, backend)} |"
@@ -507,6 +519,10 @@ def _write(stem: Path, report: dict[str, Any], sections: list[str]) -> None:
         f"{C.metadata_markdown(report['meta'])}"
         f"- wall time: {wall / 60:.1f} min; {args['warmup']} warm-up and {args['repeats']} timed steps per system, "
         f"{'each system in its own process' if report['isolated'] else 'all systems in one process, interleaved'}\n\n"
+        "Step times: the median of steps each waited for (the host's work per call included), and "
+        "back to back: steps dispatched without waiting, only the last waited for (the host prepares the "
+        "next call while the device runs; about the device's time per step). Ratios to fp32 and MPX: "
+        "waited-for / back-to-back.\n\n"
         "Gradient error: relative L2 error of the step-0 gradient (all parameters) against fp32's, same "
         "parameters and batch. fp8 GEMMs: cuBLASLt float8 GEMM custom calls in the compiled step (GPU), "
         "dot_generals with float8_e4m3fn operands in the lowered StableHLO.\n\n"
