@@ -202,14 +202,27 @@ def test_reanalyse_models_a_measured_report_again_from_its_hlo(tmp_path):
     )
 
 
-def test_isolated_systems_say_where_their_process_time_goes(tmp_path):
+def test_isolated_systems_say_where_their_process_time_goes(tmp_path, monkeypatch):
     """``--isolate yes`` (the default on a GPU): each system in a child process, which saves
-    its HLO and kernel times where asked and reports the phases of its wall time."""
+    its HLO and kernel times where asked and reports the phases of its wall time; the
+    children share a compilation cache; the report is written after each system."""
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cache"))
+    writes = []
+    real_write = gpu._write
+    monkeypatch.setattr(
+        gpu, "_write", lambda stem, report, sections: writes.append(sections[-1]) or real_write(stem, report, sections)
+    )
     report = gpu.main(
-        ["--smoke", "--isolate", "yes", "--models", "gpt2-small", "--systems", "autocast-bf16", "--out-dir"]
+        ["--smoke", "--isolate", "yes", "--models", "gpt2-small", "--systems", "autocast-bf16", "fp32", "--out-dir"]
         + [str(tmp_path), "--save-hlo", str(tmp_path / "hlo"), "--kernel-times"]
     )
+    assert any((tmp_path / "cache").iterdir())  # the children's compiles, cached for the next
+    # after the first system, a section with it alone; after the second, both; then the final one
+    assert "(so far)" in writes[0] and "| autocast-bf16 |" in writes[0] and "| fp32 |" not in writes[0]
+    assert "(so far)" in writes[1] and "| fp32 |" in writes[1]
+    assert "(so far)" not in writes[-1] and len(writes) == 3
     r = report["models"]["gpt2-small"]["runs"]["x1-triton"]["results"]["autocast-bf16"]
+    assert "partial" not in report["models"]["gpt2-small"]["runs"]["x1-triton"]
     assert "error" not in r and r["median_step_s"] > 0
     phases = r["phases_s"]
     assert all(phases[k] > 0 for k in ("start", "task", "measure", "process"))
