@@ -55,16 +55,16 @@ def part(op_name: str) -> str:
     return "other"
 
 
-def kernel_groups(hlo: str) -> list[tuple[str, H.Kernel]]:
-    """Every launched kernel's modeled cost with its group, ``"<pass>: <part>[, GEMM][,
-    recomputed]"``, read off the op name XLA gives the kernel."""
+def kernel_groups(hlo: str, chip: H.Chip = H.H100_SXM) -> list[tuple[str, H.Kernel]]:
+    """Every launched kernel's modeled cost (at ``chip`` 's rates) with its group,
+    ``"<pass>: <part>[, GEMM][, recomputed]"``, read off the op name XLA gives the kernel."""
     entry, comps = H.parse(hlo)
     names = {}
     for ins, _ in H.kernels(entry, comps):
         m = re.search(r'op_name="([^"]*)"', ins.line)
         names[ins.name] = m.group(1) if m else ""
     out = []
-    for k in H.kernel_costs(hlo):
+    for k in H.kernel_costs(hlo, chip):
         op = names.get(k.name, "")
         key = ("backward" if "transpose(" in op else "forward") + ": " + part(op)
         key += ", GEMM" if k.flops else ""

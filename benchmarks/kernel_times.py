@@ -10,7 +10,7 @@ fusion's kernel after the fusion, so each measured kernel meets its modeled cost
 recomputed). Library kernels (cuBLAS, cuDNN) carry their library's names: they are summed
 as ``library`` against the modeled custom calls. Where the model is wrong, this says where::
 
-    python -m benchmarks.kernel_times DIR gpt2-small-x1-triton autocast-bf16 mpx-bf16
+    python -m benchmarks.kernel_times --device-kind "NVIDIA H200" DIR gpt2-small-x1-triton autocast-bf16 mpx-bf16
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ def _take(left: dict[str, dict[str, float]], key: str) -> dict[str, float] | Non
     return {"us": sum(t["us"] for t in taken), "n": sum(t["n"] for t in taken)}
 
 
-def compare(hlo: str, measured: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Measured and modeled ms per kernel group of one step (see the module's docstring).
+def compare(hlo: str, measured: dict[str, dict[str, float]], chip: Any = None) -> dict[str, Any]:
+    """Measured and modeled ms per kernel group of one step (see the module's docstring),
+    modeled at ``chip`` 's rates (:class:`benchmarks.hlo_model.Chip`; default the H100 SXM).
 
     Returns ``{"groups": {group: {"measured_ms", "modeled_ms", "kernels"}}, "measured_ms",
     "modeled_ms", "unmatched": [(name, ms), ...]}``; GEMM custom calls and the library
@@ -104,7 +105,7 @@ def compare(hlo: str, measured: dict[str, dict[str, float]]) -> dict[str, Any]:
     groups: dict[str, dict[str, float]] = collections.defaultdict(
         lambda: {"measured_ms": 0.0, "modeled_ms": 0.0, "kernels": 0}
     )
-    for group, k in B.kernel_groups(hlo):
+    for group, k in B.kernel_groups(hlo, chip or B.H.H100_SXM):
         hit = _take(left, _key(k.name))
         if hit is None and k.op == "custom-call":
             group = "library"
@@ -122,12 +123,12 @@ def compare(hlo: str, measured: dict[str, dict[str, float]]) -> dict[str, Any]:
     }
 
 
-def render(step: str, results: dict[str, dict[str, Any]]) -> str:
+def render(step: str, results: dict[str, dict[str, Any]], chip: str = "H100 SXM") -> str:
     """A markdown table: per group, each system's measured and modeled ms."""
     systems = list(results)
     groups = sorted({g for r in results.values() for g in r["groups"]})
     lines = [
-        f"### {step}: measured GPU time per kernel group (modeled in brackets), ms per step",
+        f"### {step}: measured GPU time per kernel group (modeled at the {chip}'s rates in brackets), ms per step",
         "",
         "| kernels | " + " | ".join(systems) + " |",
         "|---|" + "---|" * len(systems),
@@ -142,10 +143,15 @@ def render(step: str, results: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> str:
-    """``DIR STEP SYSTEM [SYSTEM ...]``: the comparison table of those saved steps."""
-    argv = sys.argv[1:] if argv is None else argv
+    """``[--device-kind KIND] DIR STEP SYSTEM [SYSTEM ...]``: the comparison table of those
+    saved steps, modeled at the rates of the GPU that ``KIND`` names (``jax.Device.device_kind``,
+    e.g. ``"NVIDIA H200"``; default the H100 SXM)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chip = B.H.H100_SXM
+    if argv[:1] == ["--device-kind"] and len(argv) > 1:
+        chip, argv = B.H.chip_for(argv[1]), argv[2:]
     if len(argv) < 3:
-        raise SystemExit("usage: python -m benchmarks.kernel_times DIR STEP SYSTEM [SYSTEM ...]")
+        raise SystemExit("usage: python -m benchmarks.kernel_times [--device-kind KIND] DIR STEP SYSTEM [SYSTEM ...]")
     hlo_dir, step, systems = Path(argv[0]), argv[1], argv[2:]
     results = {}
     for s in systems:
@@ -154,8 +160,8 @@ def main(argv: list[str] | None = None) -> str:
             if not base.with_name(base.name + suffix).exists():
                 raise SystemExit(f"{hlo_dir}: no {base.name + suffix} (benchmarks.gpu --save-hlo DIR --kernel-times)")
         hlo = gzip.decompress(base.with_name(base.name + ".hlo.gz").read_bytes()).decode()
-        results[s] = compare(hlo, json.loads(base.with_name(base.name + ".kernels.json").read_text()))
-    md = render(step, results)
+        results[s] = compare(hlo, json.loads(base.with_name(base.name + ".kernels.json").read_text()), chip)
+    md = render(step, results, chip.name)
     print(md)
     return md
 

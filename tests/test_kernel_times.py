@@ -66,6 +66,11 @@ def test_saved_steps_are_compared_system_by_system(tmp_path, capsys):
         )
     md = KT.main([str(tmp_path), "s-x1-triton", "a", "b"])
     assert "| all | 0.030 (" in md and md.count("0.060 (") == 2  # the GEMM group and the total of b
+    # modeled at the rates of the GPU measured: an H200's bandwidth makes the model faster
+    h200 = KT.main(["--device-kind", "NVIDIA H200", str(tmp_path), "s-x1-triton", "a"])
+    assert "H200 SXM's rates" in h200 and "H100 SXM's rates" in md
+    modeled = lambda table: float(table.splitlines()[-1].split("|")[2].split("(")[1].rstrip(") "))  # noqa: E731
+    assert modeled(h200) < modeled(md)  # system a's whole step
     with pytest.raises(SystemExit, match="no s-x1-triton-c.hlo.gz"):
         KT.main([str(tmp_path), "s-x1-triton", "c"])
 
