@@ -337,17 +337,20 @@ def _vs(r: dict[str, Any], base: dict[str, Any] | None, key: str) -> str:
 
 def table(title: str, desc: str, results: dict[str, dict[str, Any]], backend: str) -> str:
     """One (model, batch, mode) section: measured step time next to the modeled one (a GPU),
-    ratios to fp32 and MPX (measured, modeled in brackets), memory, gradient error, fp8."""
+    ratios to fp32 and MPX (measured, modeled in brackets), memory, gradient error, fp8; and
+    where kernels were profiled (``--kernel-times`` on a GPU), the GPU time of a step."""
     fp32, mpx = results.get("fp32"), results.get("mpx-bf16")
+    profiled = any(r.get("profiled_gpu_ms") for r in results.values())
     rows = [
         f"### {title}\n\n{desc}\n",
         "| system | median step time | back to back | modeled (roofline) | measured / modeled | vs fp32 "
-        "| vs MPX bf16 | peak device memory | step-0 gradient error vs fp32 | fp8 GEMMs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| vs MPX bf16 | peak device memory | step-0 gradient error vs fp32 | fp8 GEMMs |"
+        + (" GPU time (profiled kernels) |" if profiled else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if profiled else ""),
     ]
     for name, r in results.items():
         if "error" in r:
-            rows.append(f"| {name} | failed: {r['error']} | | | | | | | | |")
+            rows.append(f"| {name} | failed: {r['error']} | | | | | | | | |" + (" |" if profiled else ""))
             continue
         t = r.get("median_step_s")
         piped = r.get("pipelined_step_s")
@@ -361,6 +364,7 @@ def table(title: str, desc: str, results: dict[str, dict[str, Any]], backend: st
             f"{_fmt(t / model_t if t and model_t else None, '.2f', 'x')} | {_vs(r, fp32, 'time_s')} | "
             f"{_vs(r, mpx, 'time_s')} | {'n/a' if peak is None else C.fmt_bytes(peak)} | "
             f"{err_cell or _fmt(err, '.2e')} | {_fp8_cell(r, backend)} |"
+            + (f" {_fmt(r.get('profiled_gpu_ms'), '.2f', ' ms')} |" if profiled else "")
         )
     return "\n".join(rows)
 

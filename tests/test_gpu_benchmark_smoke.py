@@ -136,6 +136,14 @@ def test_table_puts_measured_and_modeled_ratios_side_by_side():
     row = next(line for line in md.splitlines() if line.startswith("| autocast-bf16 |"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[1:7] == ["44.00 ms", "33.00 ms", "24.00 ms", "1.83x", "0.69x / 0.66x (0.60x)", "1.10x / 1.10x (1.09x)"]
+    assert "GPU time" not in md  # no kernels profiled: no column for them
+    # with --kernel-times on a GPU, a step's GPU time (its profiled kernels) closes the row
+    res["autocast-bf16"]["profiled_gpu_ms"] = 31.5
+    md = gpu.table("gpt2-small, x1, triton GEMMs", "desc", res, "gpu")
+    lines = md.splitlines()
+    assert next(line for line in lines if line.startswith("| system |")).endswith("| GPU time (profiled kernels) |")
+    by_system = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
+    assert by_system["autocast-bf16"].endswith("| 31.50 ms |") and by_system["mpx-bf16"].endswith("| n/a |")
     # off a GPU there is no model: the measured ratios alone (a report without back-to-back times)
     res = {"fp32": _measured(2.0, None), "autocast-bf16": _measured(3.0, None)}
     row = gpu.table("t", "d", res, "cpu").splitlines()[-1]
