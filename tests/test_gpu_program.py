@@ -156,11 +156,15 @@ def _group(model: str, mode: str):
     return pytest.mark.xdist_group(f"{model}-{mode}")
 
 
+# float16 on the MLP and the transformer block only: the ViT's float16 program is its bfloat16
+# one in another half dtype plus the loss scaler, which the other two models' float16 steps
+# carry (the two ViT float16 compiles took 200 s of the lane's workers on CI's 2 cores)
 CASES = [
     pytest.param(m, s, mode, marks=_group(m, mode))
     for m in ("mlp", "vit", "block")
     for s in ("bf16", "f16", "fp8")
     for mode in D.MODES
+    if (m, s) != ("vit", "f16")
 ]
 
 
@@ -350,13 +354,13 @@ def test_fp8_gelu_mlp_step_quantizes_the_activation_from_bfloat16(monkeypatch):
 
 def _gpt_block_float32_hidden_results(mode: str) -> int:
     """Kernels writing a float32 value of the hidden activation's size in the float8 step of
-    one block of the 1B GPT (width 2,048, 2,048 tokens, batch 8; shapes only)."""
+    one block of the 1B GPT (width 2,048, 2,048 tokens, batch 2; shapes only)."""
     from benchmarks import train_steps as S
 
     cfg = S.GPTConfig(vocab=512, seq=2048, width=2048, depth=1, heads=16)
-    compiled = D.compile_step(S._gpt_task("gpt-1b-block", cfg, 8, shapes_only=True), "autocast-fp8", mode, _sharding())
+    compiled = D.compile_step(S._gpt_task("gpt-1b-block", cfg, 2, shapes_only=True), "autocast-fp8", mode, _sharding())
     entry, comps = H.parse(compiled.as_text())
-    hidden = 8 * 2048 * 4 * 2048
+    hidden = 2 * 2048 * 4 * 2048
     return sum(
         dt == "f32" and math.prod(dims) == hidden
         for ins, _ in H.kernels(entry, comps)
