@@ -495,14 +495,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     desc = re.sub(r"batch (\d+)", lambda m, k=mult: f"batch {int(m[1]) * k}", desc)
                     entry = report["models"].setdefault(model, {"description": desc, "runs": {}})
 
-                    def partial(res: dict[str, Any], entry=entry, title=title, desc=desc, key=f"x{mult}-{mode}"):
-                        # the systems measured so far, as a section of their own (replaced when all are)
-                        entry["runs"][key] = {"description": desc, "results": res, "partial": True}
+                    def record(
+                        res: dict, final: bool = False, entry=entry, title=title, desc=desc, key=f"x{mult}-{mode}"
+                    ):
+                        # the section into the report, written at once (a run cut short keeps what it
+                        # has); before all its systems are measured, marked "so far" and replaced later
+                        entry["runs"][key] = {"description": desc, "results": res} | (
+                            {} if final else {"partial": True}
+                        )
                         report["notes"], report["wall_time_s"] = notes, time.perf_counter() - t0
-                        _write(stem, report, [*sections, table(title + " (so far)", desc, res, backend)])
+                        section = table(title if final else title + " (so far)", desc, res, backend)
+                        if final:
+                            sections.append(section)
+                            print(section, flush=True)
+                        _write(stem, report, sections if final else [*sections, section])
 
                     if isolate:
-                        res = measure_isolated(args, model, names, mult, mode, Path(tmp), partial)
+                        res = measure_isolated(args, model, names, mult, mode, Path(tmp), record)
                     else:
                         res = measure_in_process(
                             _task(model, args.smoke, mult),
@@ -518,11 +527,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         g = r.pop("grads0", None)
                         if g is not None and ref is not None:
                             r["grad_err_vs_fp32"] = _rel_err(g, ref)
-                    entry["runs"][f"x{mult}-{mode}"] = {"description": desc, "results": res}
-                    sections.append(table(title, desc, res, backend))
-                    print(sections[-1], flush=True)
-                    report["notes"], report["wall_time_s"] = notes, time.perf_counter() - t0
-                    _write(stem, report, sections)  # a run cut short keeps what it has
+                    record(res, final=True)
     print(f"wrote {stem}.md and .json ({report['wall_time_s']:.0f} s)")
     report["paths"] = [str(stem.with_suffix(".md")), str(stem.with_suffix(".json"))]
     return report

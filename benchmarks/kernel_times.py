@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import hlo_model as H
 from benchmarks import kernel_breakdown as B
 
 
@@ -94,9 +95,9 @@ def _take(left: dict[str, dict[str, float]], key: str) -> dict[str, float] | Non
     return {"us": sum(t["us"] for t in taken), "n": sum(t["n"] for t in taken)}
 
 
-def compare(hlo: str, measured: dict[str, dict[str, float]], chip: Any = None) -> dict[str, Any]:
+def compare(hlo: str, measured: dict[str, dict[str, float]], chip: H.Chip = H.H100_SXM) -> dict[str, Any]:
     """Measured and modeled ms per kernel group of one step (see the module's docstring),
-    modeled at ``chip`` 's rates (:class:`benchmarks.hlo_model.Chip`; default the H100 SXM).
+    modeled at ``chip`` 's rates.
 
     Returns ``{"groups": {group: {"measured_ms", "modeled_ms", "kernels"}}, "measured_ms",
     "modeled_ms", "unmatched": [(name, ms), ...]}``; GEMM custom calls and the library
@@ -105,7 +106,7 @@ def compare(hlo: str, measured: dict[str, dict[str, float]], chip: Any = None) -
     groups: dict[str, dict[str, float]] = collections.defaultdict(
         lambda: {"measured_ms": 0.0, "modeled_ms": 0.0, "kernels": 0}
     )
-    for group, k in B.kernel_groups(hlo, chip or B.H.H100_SXM):
+    for group, k in B.kernel_groups(hlo, chip):
         hit = _take(left, _key(k.name))
         if hit is None and k.op == "custom-call":
             group = "library"
@@ -147,9 +148,9 @@ def main(argv: list[str] | None = None) -> str:
     saved steps, modeled at the rates of the GPU that ``KIND`` names (``jax.Device.device_kind``,
     e.g. ``"NVIDIA H200"``; default the H100 SXM)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    chip = B.H.H100_SXM
+    chip = H.H100_SXM
     if argv[:1] == ["--device-kind"] and len(argv) > 1:
-        chip, argv = B.H.chip_for(argv[1]), argv[2:]
+        chip, argv = H.chip_for(argv[1]), argv[2:]
     if len(argv) < 3:
         raise SystemExit("usage: python -m benchmarks.kernel_times [--device-kind KIND] DIR STEP SYSTEM [SYSTEM ...]")
     hlo_dir, step, systems = Path(argv[0]), argv[1], argv[2:]

@@ -5,8 +5,9 @@
 # COMMIT names the code in the results (the copy may lack its .git); SECTIONs (1-5, below; all
 # by default) pick the runs, so that a lease can be split over two calls. MPX, where it is not
 # installed there, travels as a copy of its package folder in .whl/site/mpx (PYTHONPATH).
-# The runs go from the most to the least wanted (about 75 s a step on an H200: a 15-minute
-# lease measures about eight), each section written as soon as it is
+# The runs go from the most to the least wanted (on an H200 about 75 s a step of GPT-2 small
+# before the shared compilation cache, half of it compiling the model's initialisation: a
+# 15-minute lease measures eight to twelve), each section written as soon as it is
 # measured and packed every 20 s, so a run cut short by the lease keeps what it measured:
 # $OUT/results.tgz (the .md/.json reports), $OUT/hlo.tar (each step's optimised HLO, for
 # `benchmarks.gpu.reanalyse` and `benchmarks.kernel_breakdown`, and the first runs' GPU time per
