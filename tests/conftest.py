@@ -19,9 +19,9 @@ _HALF_TWINS = {"float16": "bfloat16", "f16": "bf16"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """``AUTOCAST_HALF_TWINS=bfloat16`` (the oldest-JAX lane): a test parametrized over both
-    half dtypes runs in bfloat16 only. Both dtypes take the same JAX code paths, which is
-    what that lane checks; the newest lane runs both."""
+    """``AUTOCAST_HALF_TWINS=bfloat16`` (the oldest-JAX and nextjax lanes): a test parametrized
+    over both half dtypes runs in bfloat16 only. Both dtypes take the same JAX code paths,
+    which is what those lanes check; the newest lane runs both."""
     if os.environ.get("AUTOCAST_HALF_TWINS") != "bfloat16":
         return
     ids = {item.nodeid for item in items}
