@@ -127,7 +127,7 @@ def main() -> None:
     rows = [r for f in args.files for r in measure_file(f)]
     meta = metadata()
     meta["versions"].update({p: _version(p) for p in ("flax", "keras", "keras-hub", "gemma", "diffrax", "dm-haiku")})
-    meta["versions"].update({p: _version(p) for p in ("jraph", "recurrentgemma")})
+    meta["versions"].update({p: _version(p) for p in ("jraph", "recurrentgemma", "equimo", "numpyro")})
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = dict(part=args.part, files=args.files, meta=meta, rows=rows, seconds=time.perf_counter() - start)
     (args.out_dir / f"{args.part}.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
