@@ -99,7 +99,7 @@ class _AmpFunction:
         else:
             self._cache.move_to_end(key)
         if any(_compat.is_tracer(x) for x in dynamic):
-            out_dynamic = _compat.jaxpr_as_fun(traced.transformed)(*dynamic)
+            out_dynamic = _as_arrays(_compat.jaxpr_as_fun(traced.transformed)(*dynamic), traced.transformed)
         else:
             if traced.jitted is None:
                 traced.jitted = jax.jit(_compat.jaxpr_as_fun(traced.transformed))
@@ -127,6 +127,16 @@ class _AmpFunction:
 
     def __repr__(self) -> str:
         return f"amp({getattr(self.fn, '__name__', self.fn)!r}, compute_dtype={self.compute_dtype.name})"
+
+
+def _as_arrays(outs: list[Any], closed: Any) -> list[Any]:
+    """Outputs that evaluating the jaxpr gives as Python or NumPy scalars (a constant ``fn``
+    returns, a literal of the jaxpr: Equinox BatchNorm's ``first_time`` flag, ``False``, in
+    the state it returns) as the arrays of their traced dtype that ``fn`` returned."""
+    return [
+        x if _compat.is_tracer(x) or isinstance(x, jax.Array) else jnp.asarray(x, dtype=v.aval.dtype)
+        for x, v in zip(outs, closed.jaxpr.outvars)
+    ]
 
 
 def _transform(

@@ -460,6 +460,9 @@ def discover_primitives() -> dict[str, list[Primitive]]:
 
 _ad = importlib.import_module("jax._src.interpreters.ad")
 _batching = importlib.import_module("jax._src.interpreters.batching")
+# the batch dimension of an unbatched operand: ``batching.not_mapped`` up to JAX 0.11, removed
+# in 0.12 (where ``NotMapped = type(None)``); None in both
+_NOT_MAPPED = getattr(_batching, "not_mapped", None)
 _mlir = importlib.import_module("jax._src.interpreters.mlir")
 
 
@@ -560,7 +563,7 @@ def _tp_batch(args, dims, *, inner, inner_params, index, half, out_dtype):
         ld, rd = _ordered(*dims, index)
         (lc, rc), (lb, rb) = params["dimension_numbers"]
         shift = lambda ds: tuple(d + 1 for d in ds)  # noqa: E731
-        not_mapped = _batching.not_mapped
+        not_mapped = _NOT_MAPPED
         if ld is not not_mapped:
             lhs = _batching.moveaxis(lhs, ld, 0)
             lc, lb = shift(lc), shift(lb)

@@ -89,6 +89,46 @@ def test_jit_grad_vmap_compose():
     np.testing.assert_allclose(v2[0], ref_g, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_batching_a_derivative_of_amp(dtype):
+    """Forward-mode Jacobians (``vmap`` of ``jvp``) and ``grad`` of ``vmap(amp(f))`` batch the
+    weight-gradient matmul amp's derivative makes (JAX 0.12 removed ``batching.not_mapped``,
+    which its batching rule read: an AttributeError there)."""
+    f = amp(_f, compute_dtype=dtype)
+    tol = dict(rtol=3e-2, atol=3e-2)
+    jac = jax.jacfwd(f)(W, X)
+    assert jac.dtype == jnp.float32
+    np.testing.assert_allclose(jac, jax.jacfwd(_f)(W, X), **tol)
+    xs = jnp.stack([X, 2 * X, -X])
+
+    def batched(f):
+        return lambda w: jnp.sum(jax.vmap(f, in_axes=(None, 0))(w, xs))
+
+    np.testing.assert_allclose(jax.grad(batched(f))(W), jax.grad(batched(_f))(W), **tol)
+    np.testing.assert_allclose(jax.jit(jax.hessian(batched(f)))(W), jax.hessian(batched(_f))(W), **tol)
+
+
+def test_constant_outputs_come_back_as_arrays_of_their_dtype():
+    """A constant ``fn`` returns (a literal of its jaxpr: Equinox BatchNorm's ``first_time``
+    flag, ``False`` after the first call) comes back as the array ``fn`` returned, also under
+    ``grad`` (the jaxpr is evaluated, not compiled, there): not as a Python bool."""
+    model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, "batch", mode="batch")
+
+    def loss(model, state, x):
+        y, state = jax.vmap(model, in_axes=(0, None), out_axes=(0, None), axis_name="batch")(x, state)
+        return jnp.sum(y**2), (state, jnp.int32(3), jnp.float32(0.5))
+
+    (_, ref), _ = eqx.filter_value_and_grad(loss, has_aux=True)(model, state, X)
+    for call in (eqx.filter_value_and_grad(amp(loss), has_aux=True), eqx.filter_jit(amp(loss))):
+        out = call(model, state, X)
+        aux = out[0][1] if isinstance(out[0], tuple) else out[1]
+        leaves, ref_leaves = jax.tree.leaves(aux), jax.tree.leaves(ref)
+        assert all(isinstance(x, jax.Array) for x in leaves), [type(x) for x in leaves]
+        assert [x.dtype for x in leaves] == [x.dtype for x in ref_leaves]
+        for x, r in zip(leaves, ref_leaves):  # the statistics: float32 in both (no matmul), fused otherwise
+            np.testing.assert_allclose(x, r, rtol=1e-6)
+
+
 def test_grads_come_back_in_parameter_dtype():
     w16 = W.astype(jnp.bfloat16)
     g = jax.grad(amp(_f))(w16, X)
