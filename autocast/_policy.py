@@ -72,6 +72,11 @@ class AmpPolicy(Mapping):
 
 def validate_policy(policy: Mapping, *, argument: str = "amp_policy") -> None:
     """Raise a TypeError naming the first bad key or rule of ``policy``."""
+    if isinstance(policy, (str, os.PathLike)):
+        raise TypeError(
+            f"{argument}={policy!r}: a policy table's name or path is loaded with "
+            f"autocast.load_policy({str(policy)!r}); {argument} takes the loaded mapping."
+        )
     if not isinstance(policy, Mapping):
         raise TypeError(
             f"{argument} must be a mapping from primitives or scope names to rules, got {type(policy).__name__}."

@@ -245,3 +245,7 @@ def test_bad_policy_value_is_a_clear_error():
         amp(_f, amp_policy={jax.lax.exp_p: "float32"})
     with pytest.raises(TypeError, match="must be a mapping"):
         amp(_f, amp_policy=[autocast.use_float32_precision])
+    # a table's name: the error says how to load it
+    with pytest.raises(TypeError, match=r"amp_policy='fp8': .* autocast.load_policy\('fp8'\)"):
+        amp(_f, amp_policy="fp8")
+    assert compute_op_dtypes(amp(_f, compute_dtype="bf16", amp_policy=autocast.load_policy("fp8")), W, X)
