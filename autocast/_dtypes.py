@@ -53,8 +53,15 @@ def canonical_compute_dtype(dtype: Any, *, argument: str = "compute_dtype") -> n
     return parsed
 
 
-def dtype_of(x: Any) -> np.dtype:
-    return np.dtype(getattr(x, "dtype", None) or np.result_type(x))
+def dtype_of(x: Any) -> Any:
+    """``x``'s dtype: a NumPy dtype, or an extended dtype as JAX has it (a PRNG key's)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return np.dtype(np.result_type(x))
+    try:
+        return np.dtype(dtype)
+    except TypeError:  # extended dtypes (PRNG keys) are not numpy dtypes
+        return dtype
 
 
 def is_castable(dtype: Any) -> bool:
@@ -136,9 +143,11 @@ def cast(x: Any, dtype: Any) -> Any:
     value stays a large negative number in float16 and bfloat16 and a fully masked softmax
     row does not become NaN. Traced values convert as they are (see :func:`saturating_cast`).
     """
+    if not is_castable(dtype):  # never to an integer, boolean or key dtype (nor from one, below)
+        return x
     dtype = np.dtype(dtype)
     src = dtype_of(x)
-    if src == dtype or not is_castable(src) or not is_castable(dtype) or _compat.is_ref(x):
+    if src == dtype or not is_castable(src) or _compat.is_ref(x):
         return x
     memo = _cast_memo.get()
     if memo is not None:

@@ -934,7 +934,7 @@ def _describe(x: Any) -> str:
 
 def _describe_leaf(v: Any) -> str:
     if hasattr(v, "shape") and hasattr(v, "dtype"):
-        return f"array {np.dtype(v.dtype).name}{list(v.shape)}"
+        return f"array {v.dtype}{list(v.shape)}"
     return type(v).__name__
 
 

@@ -370,6 +370,68 @@ def test_random_key_ops_untouched(make_key):
     assert grads.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(grads)))
 
 
+def _key_scan_carry(w, h, key):
+    def body(c, _):
+        k, h = c
+        k, sub = jax.random.split(k)
+        return (k, jnp.tanh(h @ w + 0.1 * jax.random.normal(sub, h.shape))), None
+
+    (key, h), _ = jax.lax.scan(body, (key, h), None, length=3)
+    return jnp.sum(h), key
+
+
+def _key_fori_carry(w, h, key):
+    def body(i, c):
+        k, h = c
+        k, sub = jax.random.split(k)
+        return k, jnp.tanh(h @ w + 0.1 * jax.random.normal(sub, h.shape))
+
+    key, h = jax.lax.fori_loop(0, 3, body, (key, h))
+    return jnp.sum(h), key
+
+
+def _key_scan_xs(w, h, key):
+    h, keys = jax.lax.scan(
+        lambda h, k: (jnp.tanh(h @ w + 0.1 * jax.random.normal(k, h.shape)), k), h, jax.random.split(key, 3)
+    )
+    return jnp.sum(h), keys[-1]
+
+
+def _key_cond(w, h, key):
+    h = h @ w
+    key = jax.lax.cond(jnp.sum(h) > 0, lambda k: jax.random.split(k)[0], lambda k: k, key)
+    return jnp.sum(jnp.tanh(h)) + jnp.sum(jax.random.normal(key, (2,))), key
+
+
+def _key_checkpoint(w, h, key):
+    body = jax.checkpoint(
+        lambda w, k: (jnp.sum(jnp.tanh(h @ w + jax.random.normal(k, h.shape))), jax.random.fold_in(k, 1))
+    )
+    return body(w, key)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize(
+    "f", [_key_scan_carry, _key_fori_carry, _key_scan_xs, _key_cond, _key_checkpoint], ids=lambda f: f.__name__[5:]
+)
+def test_typed_keys_through_loops_and_branches(f, dtype):
+    """A typed PRNG key carried by a ``scan`` or ``fori_loop`` (an RL rollout, a sampling
+    loop), scanned over, returned by a ``cond`` or a ``checkpoint`` keeps its key dtype and
+    value, and the loss's gradient matches float32's. A key carry crashed until 2026-11-27:
+    the loop handler's cast of its carries read the key dtype as a NumPy dtype."""
+    w, x = _wx(9, k=16)
+    h = jnp.tanh(x)
+    amped = autocast.amp(f, compute_dtype=dtype)
+    (v, key), (v_ref, key_ref) = amped(w, h, jax.random.key(0)), f(w, h, jax.random.key(0))
+    assert key.dtype == key_ref.dtype and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(key_ref))
+    assert abs(float(v) - float(v_ref)) < GRAD_TOL * abs(float(v_ref))
+    grads = jax.grad(lambda w: amped(w, h, jax.random.key(0))[0])(w)
+    ref = jax.grad(lambda w: f(w, h, jax.random.key(0))[0])(w)
+    assert grads.dtype == jnp.float32
+    assert float(jnp.linalg.norm(grads - ref) / jnp.linalg.norm(ref)) < GRAD_TOL
+
+
 # --- amp_stop and named scopes inside nested bodies ------------------------------------------
 
 
