@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _dtypes
+from . import _compat, _dtypes, _nnx
 from ._interpreter import Context, eval_jaxpr
 from ._policy import default_amp_policy, validate_policy
 
@@ -70,6 +70,8 @@ class _AmpFunction:
         self.policy = policy
         self.remat = remat
         self._cache: collections.OrderedDict = collections.OrderedDict()
+        # amp of fn over NNX's (graphdef, state), made on the first call with NNX objects
+        self._nnx_core: _AmpFunction | None | bool = None
         self.trace_count = 0
         """How many times ``fn`` has been traced (re-calls with one signature reuse it)."""
         functools.update_wrapper(self, fn)
@@ -80,6 +82,19 @@ class _AmpFunction:
         return functools.partial(self, instance)
 
     def __call__(self, *args, **kwargs):
+        if self._nnx_core is not False and _nnx.holds_graph_nodes(self.fn, args, kwargs):
+            # Flax NNX objects: their state updates are written back (autocast/_nnx.py)
+            if self._nnx_core is None:
+                self._nnx_core = _AmpFunction(
+                    _nnx.pure(self.fn),
+                    self.compute_dtype,
+                    self.policy,
+                    self.remat,
+                    self.weight_grad_dtype,
+                    self.custom_vjp_bwd,
+                )
+                self._nnx_core._nnx_core = False  # its arguments are NNX's split state: no second split
+            return _nnx.call(self.fn, self._nnx_core, args, kwargs)
         treedef, dynamic_mask, dynamic, static = _partition((args, kwargs))
         scopes = _compat.scope_names(_compat.current_name_stack())
         avals = tuple(_compat.typeof(x) for x in dynamic)

@@ -282,3 +282,61 @@ def test_linen_nn_remat_still_recomputes_under_amp():
 
     want, got = n_dots(loss), n_dots(autocast.amp(loss))
     assert got == want, f"amp: {got} matmuls in jax.grad, float32: {want}; nn.remat's block is no longer recomputed"
+
+
+class _NNXBlock(nnx.Module):
+    """Linear, BatchNorm (running statistics), GELU, Dropout (an ``nnx.Rngs`` counter)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(16, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+        self.dropout = nnx.Dropout(0.2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(nnx.gelu(self.norm(self.linear(x))))
+
+
+def _nnx_state_after_two_steps(wrap):
+    model = _nnx_init(lambda: _NNXBlock(nnx.Rngs(0, dropout=1)))
+    model.train()
+    x = normal(5, (B, 16))
+
+    def loss(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    @nnx.jit
+    def step(model, x):
+        return nnx.value_and_grad(wrap(loss))(model, x)
+
+    losses = [float(step(model, x)[0]) for _ in range(2)]
+    return losses, nnx.state(model, nnx.BatchStat), nnx.state(model, nnx.RngCount), model
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_nnx_state_updates_reach_the_module(dtype_name):
+    """An NNX module updates its own state as it runs: under ``nnx.value_and_grad(amp(loss))``
+    the BatchNorm's running statistics move as in float32 and Dropout's RNG counter advances,
+    so the second step draws a new dropout mask (until 2026-11-27 amp traced copies of the
+    module: the statistics never moved and every step drew the first step's mask)."""
+    import autocast
+
+    dtype = HALF_DTYPES[dtype_name]
+    (l32, stats32, counts32, _) = _nnx_state_after_two_steps(lambda f: f)
+    (l16, stats16, counts16, model) = _nnx_state_after_two_steps(lambda f: autocast.amp(f, compute_dtype=dtype))
+    assert l32[0] != l32[1]  # the control: float32's second step differs (a new mask, moved statistics)
+    for a, b in zip(l16, l32):
+        assert abs(a - b) < 2e-2 * abs(b), (l16, l32)
+    assert jax.tree.map(lambda a: a.tolist(), counts16) == jax.tree.map(lambda a: a.tolist(), counts32)
+    for a, b in zip(jax.tree.leaves(stats16), jax.tree.leaves(stats32)):
+        assert a.dtype == b.dtype == jnp.float32
+        assert float(jnp.max(jnp.abs(a - b))) < 2e-2 * float(jnp.max(jnp.abs(b))), (a, b)
+        assert float(jnp.max(jnp.abs(b))) > 0  # the statistics moved from their zero start
+
+    # the module itself as the function: amp(model)(x) in training mode updates its statistics
+    before = jax.tree.map(jnp.copy, nnx.state(model, nnx.BatchStat))
+    autocast.amp(model, compute_dtype=dtype)(normal(6, (B, 16)))
+    moved = [
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.BatchStat)), jax.tree.leaves(before))
+    ]
+    assert all(m > 0 for m in moved), moved
