@@ -203,7 +203,9 @@ def amp(
     the dtype its inputs arrive in. The bodies of nested ``jit``, ``scan``, ``while``,
     ``cond``, ``checkpoint``, ``custom_jvp``/``custom_vjp`` and ``shard_map`` are
     transformed too. Outputs come back in the dtypes ``fn`` returns. Integers, booleans,
-    PRNG keys, float64 and complex values are never cast.
+    PRNG keys, float64 and complex values are never cast. Flax NNX modules among the
+    arguments (or ``fn`` itself) keep the state they update as they run (BatchNorm
+    statistics, RNG counters), in its own dtypes.
 
     **Arguments:**
 
