@@ -70,8 +70,10 @@ class _AmpFunction:
         self.policy = policy
         self.remat = remat
         self._cache: collections.OrderedDict = collections.OrderedDict()
-        # amp of fn over NNX's (graphdef, state), made on the first call with NNX objects
-        self._nnx_core: _AmpFunction | None | bool = None
+        # amp of fn over NNX's (graphdef, state), made on the first call with NNX objects; that
+        # function's own arguments are the split state, never split again (_split_nnx False)
+        self._nnx_core: _AmpFunction | None = None
+        self._split_nnx = True
         self.trace_count = 0
         """How many times ``fn`` has been traced (re-calls with one signature reuse it)."""
         functools.update_wrapper(self, fn)
@@ -82,7 +84,7 @@ class _AmpFunction:
         return functools.partial(self, instance)
 
     def __call__(self, *args, **kwargs):
-        if self._nnx_core is not False and _nnx.holds_graph_nodes(self.fn, args, kwargs):
+        if self._split_nnx and _nnx.holds_graph_nodes(self.fn, args, kwargs):
             # Flax NNX objects: their state updates are written back (autocast/_nnx.py)
             if self._nnx_core is None:
                 self._nnx_core = _AmpFunction(
@@ -93,7 +95,7 @@ class _AmpFunction:
                     self.weight_grad_dtype,
                     self.custom_vjp_bwd,
                 )
-                self._nnx_core._nnx_core = False  # its arguments are NNX's split state: no second split
+                self._nnx_core._split_nnx = False
             return _nnx.call(self.fn, self._nnx_core, args, kwargs)
         treedef, dynamic_mask, dynamic, static = _partition((args, kwargs))
         scopes = _compat.scope_names(_compat.current_name_stack())
