@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _dtypes, _plan, _registry, _rules
+from . import _compat, _constructs, _dtypes, _plan, _registry, _rules
 from ._interpreter import LITERAL, Context, eval_jaxpr, original_dtypes, transform_jaxpr
 from ._registry import Handler, jaxpr_params, register_fallback, register_higher_order
 
@@ -162,7 +162,7 @@ for _prim, _param in ((_compat.jit_p, "jaxpr"), (_compat.closed_call_p, "call_ja
 
 def checkpoint_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool | str]:
     """The pull rule of a checkpoint (``checkpoint`` or ``RematTraced``)."""
-    parts = _compat.remat_parts(eqn)
+    parts = _constructs.remat_parts(eqn)
     if parts is None:
         return [False] * len(eqn.invars)
     return _plan.input_pulls(ctx, parts[0], scopes, out32)
@@ -178,7 +178,7 @@ def custom_jvp_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool
     first it was ``-inf``, and a fully masked row NaN). Nothing more is kept: the island is
     recomputed from the half-precision scores. Any other custom JVP call takes its
     operands as they arrive (its rule would otherwise run, and save, in float32)."""
-    parts = _compat.custom_jvp_parts(eqn)  # its body's invars: the operands, one to one
+    parts = _constructs.custom_jvp_parts(eqn)  # its body's invars: the operands, one to one
     if parts is None or not call_computes_in_float32(ctx, eqn, scopes, out32):
         return [False] * len(eqn.invars)
     # inside the island nothing is kept at the body's boundary: no input is too risky to pull
@@ -188,7 +188,7 @@ def custom_jvp_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool
 def checkpoint(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     """A checkpoint (``checkpoint`` or ``RematTraced``): its body specialised to the arriving
     dtypes, rebuilt with the same policy and ``prevent_cse``."""
-    parts = _compat.remat_parts(eqn)
+    parts = _constructs.remat_parts(eqn)
     if parts is None:
         return hi_original(ctx, eqn, invals, in_free, scopes)
     body, policy = parts
@@ -203,7 +203,7 @@ def checkpoint(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tupl
     new, extra, out_free = transform_jaxpr(
         ctx, body, in_dtypes, in_free, scopes, out_float32=out32, out_narrow=ctx.out_narrow
     )
-    return _compat.remat_bind(eqn, new, extra, invals), out_free
+    return _constructs.remat_bind(eqn, new, extra, invals), out_free
 
 
 register_higher_order(_compat.remat_p, pulls=checkpoint_pulls, body="jaxpr")(checkpoint)
@@ -268,7 +268,7 @@ def call_computes_in_float32(ctx: Context, eqn: Any, scopes: tuple, out32: Seque
         return False
 
     def build():
-        parts = _compat.custom_jvp_parts(eqn)
+        parts = _constructs.custom_jvp_parts(eqn)
         return parts is not None and _body_computes_in_float32(ctx, parts.body, scopes, out32)
 
     return ctx.cached(("call32", scopes, tuple(map(bool, out32))), eqn, build)
@@ -296,7 +296,7 @@ def custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tupl
     ``custom_jvp`` requires. A rule that computes in float32 is recomputed in the backward
     pass: a checkpoint around the call (JAX cannot linearize a checkpoint inside a custom
     JVP rule under ``jax_remat3``)."""
-    parts = _compat.custom_jvp_parts(eqn)
+    parts = _constructs.custom_jvp_parts(eqn)
     if parts is None:
         return hi_original(ctx, eqn, invals, in_free, scopes)
     n = parts.n_consts
@@ -345,7 +345,7 @@ def custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tupl
     float32 reductions. With ``"original"`` the ``bwd`` is called as written on the
     residuals and cotangents as they arrive (if it raises, again on them cast to the traced
     dtypes). Either way its cotangents are cast to the dtypes the operands arrived in."""
-    parts = _compat.custom_vjp_parts(eqn)
+    parts = _constructs.custom_vjp_parts(eqn)
     if parts is None:
         return hi_original(ctx, eqn, invals, in_free, scopes)
     n = parts.n_consts

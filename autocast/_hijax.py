@@ -15,14 +15,14 @@ handler dispatches on what it holds, to the same logic the old encodings get
 - anything else (``SearchSorted``, ...): operands in their traced dtypes, bound as is.
 
 The planner sees through ``RematTraced`` and ``CustomJVPTraced`` bodies as through
-``checkpoint`` and ``custom_jvp_call`` ones (``_compat.narrow_body``)."""
+``checkpoint`` and ``custom_jvp_call`` ones (``_constructs.narrow_body``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from . import _compat
+from . import _compat, _constructs
 from ._higher_order import (
     _current_dtypes,
     call_computes_in_float32,
@@ -48,33 +48,33 @@ def _pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list
 
 
 def _checkpoint_name(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
-    return _compat.checkpoint_name_bind(eqn, invals[0]), [in_free[0]]
+    return _constructs.checkpoint_name_bind(eqn, invals[0]), [in_free[0]]
 
 
 def _scan3(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     """``Scan3``: the body specialised to the arriving dtypes; its outputs (the stacked
     ``ys``) keep the dtypes the body computes."""
-    parts = _compat.scan3_parts(eqn)
+    parts = _constructs.scan3_parts(eqn)
     if parts is None:
         return hi_original(ctx, eqn, invals, in_free, scopes)
     body, _ = parts
     in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
     free = [False if _compat.is_ref(x) else f for x, f in zip(invals, in_free)]
     new, extra, out_free = transform_jaxpr(ctx, body, in_dtypes, free, scopes, out_float32=out32)
-    return _compat.scan3_bind(eqn, new, extra, invals), out_free
+    return _constructs.scan3_bind(eqn, new, extra, invals), out_free
 
 
-@register_higher_order(_compat.call_hi_primitive_p, pulls=_pulls, body=_compat.narrow_body, float32_call=_float32_call)
+@register_higher_order(_compat.call_hi_primitive_p, pulls=_pulls, body=_constructs.narrow_body, float32_call=_float32_call)
 def _call_hi(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
-    if _compat.remat_parts(eqn) is not None:
+    if _constructs.remat_parts(eqn) is not None:
         return checkpoint(ctx, eqn, invals, in_free, scopes, out32)
     name = _compat.hi_name(eqn)
     if name == "CustomJVPTraced":
         return custom_jvp(ctx, eqn, invals, in_free, scopes, out32)
     if name == "CustomVJPTraced":
         return custom_vjp(ctx, eqn, invals, in_free, scopes, out32)
-    if _compat.scan3_parts(eqn) is not None:
+    if _constructs.scan3_parts(eqn) is not None:
         return _scan3(ctx, eqn, invals, in_free, scopes, out32)
-    if _compat.is_checkpoint_name(eqn):
+    if _constructs.is_checkpoint_name(eqn):
         return _checkpoint_name(ctx, eqn, invals, in_free, scopes, out32)
     return hi_original(ctx, eqn, invals, in_free, scopes)

@@ -68,7 +68,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from . import _compat, _dtypes, _fp8, _plan, _rules, _wide
+from . import _compat, _cpu_matmul, _dtypes, _fp8, _plan, _rules, _wide
 from ._policy import Lookup
 
 # Primitives whose output is only a rearrangement (or a conversion) of their float
@@ -700,7 +700,7 @@ def original_dtypes(eqn: Any) -> list[Any]:
 def _bind_original(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     """Bind the equation exactly as traced (operands cast back to their traced dtypes)."""
     invals = [_dtypes.cast(x, d) if _dtypes.is_castable(d) else x for x, d in zip(invals, original_dtypes(eqn))]
-    return _compat.bind(eqn.primitive, invals, dict(eqn.params))
+    return _cpu_matmul.bind(eqn.primitive, invals, dict(eqn.params))
 
 
 def _rule_name(rule: Any) -> str:
@@ -856,13 +856,13 @@ def _bind_broadcast_in_float32(
         and np.shape(new_invals[i]) == np.shape(invals[i])  # not already broadcast ahead
     ]
     if not widen:
-        return _compat.bind(prim, new_invals, params)
+        return _cpu_matmul.bind(prim, new_invals, params)
 
     def bind(*ops):
         ops = list(ops)
         for i in widen:
             ops[i] = _broadcast_cast(ops[i], eqn, _dtypes.dtype_of(new_invals[i]))
-        return _compat.bind(prim, ops, params)
+        return _cpu_matmul.bind(prim, ops, params)
 
     ops = [invals[i] if i in widen else x for i, x in enumerate(new_invals)]
     if prim.name in _LINEAR_BROADCAST:
@@ -902,7 +902,7 @@ def _bind_bias_summed_apart(
     for i in summed:
         full = lax.broadcast_in_dim(ops[i], out_shape, tuple(range(len(out_shape))) if np.ndim(ops[i]) else ())
         ops[i] = _rounded_cotangent(full, np.dtype(half).name)
-    return _compat.bind(prim, ops, params)
+    return _cpu_matmul.bind(prim, ops, params)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

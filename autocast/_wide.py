@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _compat, _dtypes
+from . import _compat, _cpu_matmul, _dtypes, _tangent_product
 
 BILINEAR = frozenset({"dot_general"})
 """Primitives that get a float32 result or float32 cotangent from half operands; bilinear in
@@ -104,7 +104,7 @@ def bind(
     extra = [arrived[i] for i in f32] if f32 and arrived is not None else []
 
     def primal(a, b, *_float32_values):
-        return _compat.bind(prim, [a, b], out_params)[0]
+        return _cpu_matmul.bind(prim, [a, b], out_params)[0]
 
     def jvp(primals, tangents):
         a, b = primals[:2]
@@ -116,13 +116,13 @@ def bind(
                 t = tangents[2 + f32.index(i)]
                 if not _compat.is_zero(t):
                     other = primals[1 - i]
-                    terms.append(_compat.tangent_product(prim, params, other, t, i, half, out_dtype))
+                    terms.append(_tangent_product.tangent_product(prim, params, other, t, i, half, out_dtype))
                 continue
             t = tangents[i]
             if not _compat.is_zero(t):
                 args = [a, b]
                 args[i] = t
-                term = _compat.bind(prim, args, half_params)[0]
+                term = _cpu_matmul.bind(prim, args, half_params)[0]
                 terms.append(lax.convert_element_type(term, out_dtype) if term.dtype != out_dtype else term)
         out = primal(*primals)
         tangent = sum(terms[1:], terms[0]) if terms else jnp.zeros(out.shape, out.dtype)

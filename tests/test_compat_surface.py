@@ -1,5 +1,6 @@
 """The JAX surface ``autocast/_compat.py`` reads: every ``module.attribute`` it names directly
-(not through ``getattr`` with a default, the feature-detected ones) exists in the installed JAX.
+(not through ``getattr`` with a default, the feature-detected ones) exists in the installed JAX,
+and no other module of the package imports JAX's internals.
 
 ``_compat`` is the one file that touches JAX's internals; a name JAX removes (as 0.12 removed
 ``batching.not_mapped``) fails here, in every lane, before any test has to reach the code path
@@ -55,3 +56,31 @@ def test_every_jax_attribute_compat_names_exists():
             if not hasattr(importlib.import_module(modules[node.value.id]), node.attr):
                 missing.append(f"line {node.lineno}: {modules[node.value.id]}.{node.attr}")
     assert not missing, "names autocast/_compat.py reads that this JAX does not have:\n" + "\n".join(missing)
+
+
+def _imports_jax_internals(tree: ast.Module) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("jax._src")]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax._src"):
+            found.append(node.module or "")
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module":
+            found += [
+                str(a.value)
+                for a in node.args[:1]
+                if isinstance(a, ast.Constant) and str(a.value).startswith("jax._src")
+            ]
+    return found
+
+
+def test_only_compat_imports_jax_internals():
+    """Every other module reads JAX's internals through ``_compat``: a JAX upgrade starts there."""
+    offenders = {}
+    for path in sorted(SOURCE.parent.rglob("*.py")):
+        if path == SOURCE:
+            continue
+        found = _imports_jax_internals(ast.parse(path.read_text()))
+        if found:
+            offenders[str(path.relative_to(SOURCE.parent))] = found
+    assert not offenders, f"modules importing jax._src outside autocast/_compat.py: {offenders}"

@@ -20,7 +20,7 @@ from helpers import tree_max_rel_err
 from jax.ad_checkpoint import checkpoint_name
 
 import autocast
-from autocast import _compat
+from autocast import _compat, _constructs
 
 FLAGS = _compat.hijax_flags()
 _CONSTRUCTS = [n for n in ("remat3", "custom_jvp3", "custom_vjp3") if n in FLAGS]
@@ -452,7 +452,7 @@ def test_checkpoint_policy_and_names_are_kept(flags):
     policies = [
         e.params.get("policy", getattr(_compat.hi_prim(e), "params", {}).get("policy"))
         for e, _ in _eqns(jaxpr)
-        if _compat.remat_parts(e) is not None
+        if _constructs.remat_parts(e) is not None
     ]
     assert policy in policies, policies
     got = _residuals(amp_f, w, x)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import autocast
-from autocast import _compat
+from autocast import _cpu_matmul
 
 
 def _loss(w, x):
@@ -59,7 +59,7 @@ def test_cpu_lowering_widens_exactly_where_xla_cpu_lacks_the_kernel():
     dots = _dots(_export(grad, "cpu", w, x))
     f32_result = [(lhs, rhs) for lhs, rhs, out in dots if out == "f32"]
     assert f32_result
-    expected = ("bf16", "bf16") if _compat._CPU_PROBES["bfloat16"] else ("f32", "f32")
+    expected = ("bf16", "bf16") if _cpu_matmul._CPU_PROBES["bfloat16"] else ("f32", "f32")
     assert all(ops == expected for ops in f32_result), dots
     got = jax.jit(grad)(w, x)
     ref = jax.grad(_loss)(w, x)

@@ -27,7 +27,7 @@ F32 = np.dtype(np.float32)
 def _matmuls(fn, *args):
     """(operand dtypes, result dtype) of every dot_general / conv in ``make_jaxpr(fn)``
     (the same on every backend: XLA:CPU's widening of bfloat16 operands happens in the
-    lowering, see ``_compat.half_matmul_operands``)."""
+    lowering, see ``_cpu_matmul.prepare``)."""
     closed = jax.make_jaxpr(fn)(*args)
     return [
         (tuple(np.dtype(v.aval.dtype) for v in e.invars), np.dtype(e.outvars[0].aval.dtype))
