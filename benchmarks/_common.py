@@ -25,6 +25,16 @@ import numpy as np
 from jax.extend import core as jex_core
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+"""The benchmarks' results: a folder per question (``results/<question>/``, the package's name),
+superseded runs in ``results/archive/<question>/``."""
+
+
+def results_dir(question: str) -> Path:
+    """``RESULTS_DIR / question``, created; ``RESULTS_DIR`` is read at each call, so a test can
+    point it elsewhere."""
+    path = RESULTS_DIR / question
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 # ----------------------------------------------------------------------------- metadata

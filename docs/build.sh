@@ -13,7 +13,11 @@ cd "$PROJECT_ROOT"
 # The benchmark results (tables and figures) are reachable from the site as docs/results/.
 rm -rf docs/results
 mkdir -p docs/results
-cp benchmarks/results/*.md benchmarks/results/*.png docs/results/
+# (tables and figures, in their question folders; archive/ included: the docs link superseded runs too)
+(cd benchmarks/results && find . -name '*.md' -o -name '*.png') | while IFS= read -r f; do
+  mkdir -p "docs/results/$(dirname "$f")"
+  cp "benchmarks/results/$f" "docs/results/$f"
+done
 if [ "${1:-}" = "serve" ]; then
   exec "$VENV_PYTHON" -m mkdocs serve -a 127.0.0.1:8000
 fi

@@ -1,8 +1,8 @@
-"""The demo (``benchmarks/demo.py``) over several seeds: pairing, per-seed results, verdict.
+"""The demo (``benchmarks/accuracy/demo.py``) over several seeds: pairing, per-seed results, verdict.
 
 A smoke run with a tiny ViT and a small synthetic digits-like data set (so scikit-learn,
 an optional ``demo`` dependency, is not needed) for a few steps; the real demo numbers
-come from ``python -m benchmarks.demo`` (``benchmarks/results/demo.md``).
+come from ``python -m benchmarks.accuracy.demo`` (``benchmarks/results/accuracy/demo.md``).
 """
 
 import json
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from benchmarks import _common as C
-from benchmarks import demo
-from benchmarks.vit import ViTConfig
+from benchmarks.accuracy import demo
+from benchmarks.models.vit import ViTConfig
 
 RUNS = ("fp32", "amp-bf16", "amp-fp8")
 
@@ -56,8 +56,9 @@ def smoke(tmp_path_factory):
         results = demo.main(["--steps", "6", "--batch", "16", "--seeds", "0", "1", "--runs", *RUNS])
     finally:
         mp.undo()
-    data = json.loads((out / "demo.json").read_text())
-    return results, data, (out / "demo.md").read_text(), made
+    written = out / "accuracy"  # the demo writes to results/accuracy/
+    data = json.loads((written / "demo.json").read_text())
+    return results, data, (written / "demo.md").read_text(), made
 
 
 def test_one_result_per_run_and_seed(smoke):
@@ -135,3 +136,4 @@ def test_bad_options_are_rejected_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         demo._parse(argv)
     assert message in capsys.readouterr().err
+

@@ -168,7 +168,7 @@ def _print_saved_residual_bytes(fn, *args) -> dict[str, int]:
 
 
 def _small_vit():
-    from benchmarks.vit import ViT, ViTConfig, loss_fn, synthetic_batch
+    from benchmarks.models.vit import ViT, ViTConfig, loss_fn, synthetic_batch
 
     cfg = ViTConfig(image_size=8, channels=3, patch=4, width=32, mlp_hidden=64, depth=2, heads=4, classes=10)
     model = ViT(cfg, key=jax.random.PRNGKey(0))
@@ -227,7 +227,7 @@ def test_residual_bytes_of_an_mlp_match_the_vjp_jaxpr():
 
 
 def test_desktop_vit_has_no_float32_matmuls():
-    from benchmarks.vit import SHAPES, ViT, loss_fn, synthetic_batch
+    from benchmarks.models.vit import SHAPES, ViT, loss_fn, synthetic_batch
 
     cfg = SHAPES["desktop"]
     model = ViT(cfg, key=jax.random.PRNGKey(0))

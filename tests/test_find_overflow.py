@@ -200,7 +200,7 @@ def test_healthy_mlp_has_no_findings():
 
 
 def test_healthy_vit_has_no_findings():
-    from benchmarks.vit import ViT, ViTConfig, loss_fn, synthetic_batch
+    from benchmarks.models.vit import ViT, ViTConfig, loss_fn, synthetic_batch
 
     cfg = ViTConfig(image_size=8, channels=3, patch=4, width=32, mlp_hidden=64, depth=2, heads=4, classes=10)
     model = ViT(cfg, key=jax.random.PRNGKey(0))

@@ -1,4 +1,4 @@
-"""``benchmarks/run_gpu.sh --smoke``: the accelerator benchmark's code, tiny sizes, on CPU.
+"""``benchmarks/gpu_measured/run_gpu.sh --smoke``: the accelerator benchmark's code, tiny sizes, on CPU.
 
 Runs the script itself (as a user would, with ``PYTHONPATH=.`` set by it) once, writing to a
 temporary folder, and checks what it wrote: two models, every system, step times, gradient
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import gpu
+from benchmarks.gpu_measured import gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 # the smoke run's models: a ViT (convolution, attention) and the GPT (embedding, causal mask);
@@ -30,7 +30,15 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu")
     env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--smoke", "--out-dir", str(out), "--models", *MODELS]
+        [
+            "bash",
+            str(ROOT / "benchmarks" / "gpu_measured" / "run_gpu.sh"),
+            "--smoke",
+            "--out-dir",
+            str(out),
+            "--models",
+            *MODELS,
+        ]
         + ["--save-hlo", str(out / "hlo"), "--kernel-times"],
         capture_output=True,
         text=True,
@@ -180,13 +188,13 @@ def test_reanalyse_models_a_measured_report_again_from_its_hlo(tmp_path):
 
     from test_hlo_model import CUBLAS_BF16
 
-    from benchmarks import hlo_model
+    from benchmarks.gpu_modeled import hlo_model
 
     hlo_dir = tmp_path / "hlo"
     hlo_dir.mkdir()
     (hlo_dir / "m-x1-triton-fp32.hlo.gz").write_bytes(gzip.compress(CUBLAS_BF16.encode()))
     report = {
-        "command": "python -m benchmarks.gpu",
+        "command": "python -m benchmarks.gpu_measured.gpu",
         "meta": {"backend": "gpu", "device": "NVIDIA H200 x1", "date": "d", "machine": "m", "os": "o", "python": "3"}
         | {"versions": {}},
         "args": {"warmup": 3, "repeats": 20},

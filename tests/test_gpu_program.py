@@ -1,6 +1,6 @@
 """The GPU program of an ``amp`` train step, checked on a machine without a GPU.
 
-XLA compiles for an NVIDIA H100 described by ``benchmarks/targets/h100_sxm.txtpb`` through
+XLA compiles for an NVIDIA H100 described by ``benchmarks/gpu_modeled/targets/h100_sxm.txtpb`` through
 the jax-cuda12 plugin's topology API ("deviceless" compilation): the optimised HLO below is
 what XLA:GPU would run, in both GEMM modes (``triton``: XLA's default; ``cublas``: every
 GEMM a cuBLASLt call). No autotuning and no timings: compile-time facts only.
@@ -24,7 +24,7 @@ these models' matmuls are too small for float8 to pay) must have:
 - at most the committed kernel count (``gpu_program_kernels.json``, a regression guard;
   ``AUTOCAST_UPDATE_KERNELS=1`` rewrites it);
 - at most 2 % more HBM bytes and modeled time (the roofline model of
-  ``benchmarks/hlo_model.py``, H100 SXM rates) than committed in ``gpu_program_roofline.json``
+  ``benchmarks/gpu_modeled/hlo_model.py``, H100 SXM rates) than committed in ``gpu_program_roofline.json``
   (float32 steps included; the compile is deterministic, so any rise is a change in the
   program; ``AUTOCAST_UPDATE_ROOFLINE=1`` rewrites it).
 
@@ -55,9 +55,9 @@ from helpers import fp8_every_matmul  # noqa: E402
 
 import autocast  # noqa: E402
 from autocast import _compat  # noqa: E402
-from benchmarks import deviceless as D  # noqa: E402
-from benchmarks import hlo_model as H  # noqa: E402
-from benchmarks.vit import _Block  # noqa: E402
+from benchmarks.gpu_modeled import deviceless as D  # noqa: E402
+from benchmarks.gpu_modeled import hlo_model as H  # noqa: E402
+from benchmarks.models.vit import _Block  # noqa: E402
 
 KERNELS_FILE = Path(__file__).with_name("gpu_program_kernels.json")
 SLACK = 0.05  # a kernel count may grow by 5 % (at least 2) before the guard fails
@@ -367,7 +367,7 @@ def test_fp8_gelu_mlp_step_quantizes_the_activation_from_bfloat16(monkeypatch):
 def _gpt_block_float32_hidden_results(mode: str) -> int:
     """Kernels writing a float32 value of the hidden activation's size in the float8 step of
     one block of the 1B GPT (width 2,048, 2,048 tokens, batch 2; shapes only)."""
-    from benchmarks import train_steps as S
+    from benchmarks.models import train_steps as S
 
     cfg = S.GPTConfig(vocab=512, seq=2048, width=2048, depth=1, heads=16)
     compiled = D.compile_step(S._gpt_task("gpt-1b-block", cfg, 2, shapes_only=True), "autocast-fp8", mode, _sharding())

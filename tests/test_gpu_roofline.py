@@ -1,4 +1,4 @@
-"""The roofline model (``benchmarks/hlo_model.py``) on small programs compiled for the H100
+"""The roofline model (``benchmarks/gpu_modeled/hlo_model.py``) on small programs compiled for the H100
 target without a GPU, whose HBM bytes and GEMM FLOPs are known by hand.
 
 Runs in the GPU-program lane (``bash tests/run_gpu_program.sh``, which installs the jax-cuda12
@@ -20,8 +20,8 @@ pytest.importorskip(
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks import deviceless as D  # noqa: E402
-from benchmarks import hlo_model as H  # noqa: E402
+from benchmarks.gpu_modeled import deviceless as D  # noqa: E402
+from benchmarks.gpu_modeled import hlo_model as H  # noqa: E402
 
 M, K, N = 512, 1024, 256
 BW, LAUNCH = H.H100_SXM.hbm_bytes_per_s, H.H100_SXM.launch_s
@@ -88,7 +88,7 @@ def test_reduction():
 def test_target_report_of_a_shapes_only_model(tmp_path):
     """``--target h100 --smoke`` on the shapes-only GPT (its parameters never made): the
     report has the roofline of the step and its tables (one system, one mode: the lane's time)."""
-    from benchmarks import gpu
+    from benchmarks.gpu_measured import gpu
 
     report = gpu.main(
         ["--target", "h100", "--smoke", "--models", "gpt-1b", "--systems", "autocast-bf16", "--modes", "triton"]

@@ -1,4 +1,4 @@
-"""The HLO reader of the GPU benchmarks (``benchmarks/hlo_model.py``) on small HLO texts.
+"""The HLO reader of the GPU benchmarks (``benchmarks/gpu_modeled/hlo_model.py``) on small HLO texts.
 
 Pure text: no JAX, no plugin; these run in every lane. The snippets are cut down from what
 XLA:GPU prints for the H100 target (``compiled.as_text()``); the bytes and FLOPs are worked
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import hlo_model as H
+from benchmarks.gpu_modeled import hlo_model as H
 
 BW, LAUNCH = 3.35e12, 2e-6
 

@@ -1,4 +1,4 @@
-"""``benchmarks/kernel_breakdown.py``: a compiled step's kernels grouped by part of the model.
+"""``benchmarks/gpu_modeled/kernel_breakdown.py``: a compiled step's kernels grouped by part of the model.
 
 On a hand-written HLO text (no compile): each kernel lands in the group its op name says,
 with the roofline model's time and bytes of that kernel; the GPU-target compile itself is the
@@ -13,8 +13,8 @@ import pytest
 
 from autocast import _compat
 from benchmarks import _common as C
-from benchmarks import hlo_model as H
-from benchmarks import kernel_breakdown as K
+from benchmarks.gpu_modeled import hlo_model as H
+from benchmarks.gpu_modeled import kernel_breakdown as K
 
 HLO = """
 HloModule jit_step, is_scheduled=true
@@ -71,7 +71,7 @@ def test_benchmark_metadata_names_the_jax_flags_that_change_the_program():
 
 
 def test_saved_steps_are_read_instead_of_compiled(tmp_path):
-    """``--hlo-dir``: the steps ``benchmarks.gpu --save-hlo`` wrote (``<step>-<system>.hlo.gz``
+    """``--hlo-dir``: the steps ``benchmarks.gpu_measured.gpu --save-hlo`` wrote (``<step>-<system>.hlo.gz``
     and its ``.json``) are broken down as they are, their peaks and commit carried over."""
     for system, peak in (("autocast-bf16", 3 * 2**20), ("mpx-bf16", 5 * 2**20)):
         with gzip.open(tmp_path / f"m-x1-cublas-{system}.hlo.gz", "wt") as f:

@@ -1,4 +1,4 @@
-"""``benchmarks/kernel_times.py``: measured GPU time per kernel beside the roofline model's.
+"""``benchmarks/gpu_measured/kernel_times.py``: measured GPU time per kernel beside the roofline model's.
 
 No GPU here: the trace is a Chrome-format trace as JAX's profiler writes it, cut down by hand;
 the HLO the reader's own test snippets (``tests/test_hlo_model.py``). The profiler itself runs
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import pytest
 from test_hlo_model import CUBLAS_BF16, TRITON_SPLIT_K
 
-from benchmarks import gpu
-from benchmarks import hlo_model as H
-from benchmarks import kernel_times as KT
+from benchmarks.gpu_measured import gpu
+from benchmarks.gpu_measured import kernel_times as KT
+from benchmarks.gpu_modeled import hlo_model as H
 
 
 def _trace(events: list[tuple[int, str, float]]) -> dict:

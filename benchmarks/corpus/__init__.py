@@ -1,0 +1,1 @@
+"""Third-party models, unedited (tests/real_models/): the corpus's results table."""

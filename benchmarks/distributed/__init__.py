@@ -1,0 +1,1 @@
+"""Many devices: bytes on the wire and weight-gradient error against the device count."""

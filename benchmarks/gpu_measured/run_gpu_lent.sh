@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The measured benchmark on a lent GPU machine (docs/gpu-benchmark.md, "Measured on a lent GPU"):
+# its image has JAX with CUDA, Equinox and optax but no network and no install of this package.
+#   bash benchmarks/gpu_measured/run_gpu_lent.sh COMMIT [SECTION ...]   # from the repository root; results under $OUT
+# COMMIT names the code in the results (the copy may lack its .git); SECTIONs (1-5, below; all
+# by default) pick the runs, so that a lease can be split over two calls. MPX, where it is not
+# installed there, travels as a copy of its package folder in .whl/site/mpx (PYTHONPATH).
+# The runs go from the most to the least wanted (on an H200 about 75 s a step of GPT-2 small
+# before the shared compilation cache, half of it compiling the model's initialisation: a
+# 15-minute lease measures eight to twelve), each section written as soon as it is
+# measured and packed every 20 s, so a run cut short by the lease keeps what it measured:
+# $OUT/results.tgz (the .md/.json reports), $OUT/hlo.tar (each step's optimised HLO, for
+# `benchmarks.gpu_measured.gpu.reanalyse` and `benchmarks.gpu_modeled.kernel_breakdown`, and the first runs' GPU time per
+# kernel, for `python -m benchmarks.gpu_measured.kernel_times`), $OUT/log.txt.
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# the policies as the wheel maps them (pyproject.toml package-dir): autocast.policies
+[ -e autocast/policies ] || ln -s ../policies autocast/policies
+export PYTHONPATH=$PWD/.whl/site PYTHONUNBUFFERED=1 AUTOCAST_GIT_COMMIT=${1:?the commit the tree is}
+OUT=${OUT:?set OUT to the folder the results go to}
+R=/tmp/res; H=/tmp/hlo; mkdir -p $R $H
+log=$OUT/log.txt
+t0=$(date +%s)
+{ date -u; nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv
+  python3 -c "import jax,equinox,optax;print('jax',jax.__version__,'eqx',equinox.__version__,'optax',optax.__version__,jax.devices())"
+} 2>&1 | tee -a "$log"
+pack() {
+  tar czf "$OUT/partial.tgz" -C /tmp res && mv "$OUT/partial.tgz" "$OUT/results.tgz"
+  tar cf "$OUT/partial-hlo.tar" -C /tmp hlo && mv "$OUT/partial-hlo.tar" "$OUT/hlo.tar"
+}
+(while sleep 20; do pack 2>/dev/null; done) &
+run() {
+  echo "== $(($(date +%s) - t0)) s: $*" | tee -a "$log"
+  PYTHON=python3 bash benchmarks/gpu_measured/run_gpu.sh "$@" --save-hlo $H 2>&1 | grep --line-buffered -v "^|" | tee -a "$log"
+  pack
+}
+all=(fp32 autocast-bf16 autocast-fp8 mpx-bf16)
+section() {
+  case $1 in
+  # 1. where amp bf16's step time goes against MPX's, kernel by kernel (2026-11-26: 1.16x measured,
+  #    1.04x modeled), and what the float32 islands' recomputation costs (amp without it)
+  1) run --models gpt2-small --systems autocast-bf16 autocast-bf16-noremat mpx-bf16 --modes triton --kernel-times --out-dir $R/a ;;
+  # 2. float8 where it is used in practice: the 1B GPT (modeled 1.16x over bf16)
+  2) run --models gpt-1b --systems autocast-bf16 autocast-fp8 --modes triton --kernel-times --out-dir $R/b ;;
+  # 3. the batch where fp8 turns on in GPT-2 small, and the x4 speed-ups over fp32
+  3) run --models gpt2-small --batch-mults 4 --systems autocast-bf16 mpx-bf16 autocast-fp8 fp32 --modes triton --out-dir $R/c ;;
+  # 4. ViT-Base; 5. the cuBLAS mode
+  4) run --models vit-base --systems "${all[@]}" --modes triton --out-dir $R/d ;;
+  5) run --models gpt2-small gpt-1b --systems autocast-bf16 autocast-fp8 mpx-bf16 --modes cublas --out-dir $R/e ;;
+  *) echo "unknown section $1 (1-5)" | tee -a "$log" ;;
+  esac
+}
+shift
+for s in "${@:-1 2 3 4 5}"; do for t in $s; do section "$t"; done; done
+echo "== done $(($(date +%s) - t0)) s" | tee -a "$log"

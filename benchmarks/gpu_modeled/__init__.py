@@ -1,0 +1,1 @@
+"""What would a GPU run, without one? Steps compiled for an H100 target and their roofline model."""

@@ -1,0 +1,1 @@
+"""How much memory does it save? Activation residuals, optimizer state, an LSTM under scan."""

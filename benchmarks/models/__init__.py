@@ -1,0 +1,1 @@
+"""Models and training steps shared by several benchmarks (no measurement here)."""

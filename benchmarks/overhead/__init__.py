@@ -1,0 +1,1 @@
+"""What does the transform itself cost? Trace and compile time, explain and find_overflow."""
