@@ -136,4 +136,3 @@ def test_bad_options_are_rejected_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         demo._parse(argv)
     assert message in capsys.readouterr().err
-

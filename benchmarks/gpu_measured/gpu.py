@@ -388,7 +388,11 @@ def _parse(argv):
         default="auto",
         help="each system in its own process, for its peak device memory (auto: on a GPU/TPU)",
     )
-    ap.add_argument("--out-dir", default=None, help="where the results go (default: benchmarks/results/gpu_measured; --target: gpu_modeled)")
+    ap.add_argument(
+        "--out-dir",
+        default=None,
+        help="where the results go (default: benchmarks/results/gpu_measured; --target: gpu_modeled)",
+    )
     ap.add_argument(
         "--target",
         choices=("h100",),
