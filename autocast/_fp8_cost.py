@@ -11,9 +11,9 @@ float8 writes of the two layouts the GEMMs read) and ``QUANT_LAUNCHES`` more ker
 matmul. A matmul runs in float8 only where that is modeled at least 5 % faster (``MARGIN``).
 
 The constants are calibrated on the programs XLA:GPU compiles for the benchmark models' train
-steps (``benchmarks/results/gpu-target-h100-fp8-filter-2026-11-26.md``; the average overhead
+steps (``benchmarks/results/archive/gpu_modeled/gpu-target-h100-fp8-filter-2026-11-26.md``; the average overhead
 of the all-float8 ViT-Base step, 3.4 bytes per quantised element and 8.3 kernels per matmul,
-is in ``benchmarks/results/fp8_calibration.md``): a lone float8 matmul costs more
+is in ``benchmarks/results/gpu_modeled/fp8_calibration.md``): a lone float8 matmul costs more
 than that average, and at 2 compute-dtype sizes per element the check put ViT-Base's and
 GPT-2 small's MLP matmuls in float8, whose steps were then 3-5 % slower than bfloat16's;
 at 3.2, with a 5 % margin, no benchmark step is slower than bfloat16's. Like torchao's

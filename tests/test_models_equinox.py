@@ -238,7 +238,7 @@ def jit_init(make, *args):
     return eqx.filter_jit(make, compiler_options=FAST_COMPILE)(*args)
 
 
-# Tolerances against float32, chosen from the measured errors (benchmarks/results/models.md,
+# Tolerances against float32, chosen from the measured errors (benchmarks/results/accuracy/models.md,
 # tests/model_report.py; two data sets) with a 3-10x margin. float16 keeps 11 significand
 # bits, bfloat16 8: bfloat16 errors are ~8x larger. Measured maxima over the models using
 # TOL: float16: loss 5.2e-5, grad 1.6e-3, leaf 2.5e-3, last loss 6.1e-4; bfloat16: loss

@@ -1,4 +1,4 @@
-"""The harness of the real-model corpus (tests/real_models/, benchmarks/real_models.py).
+"""The harness of the real-model corpus (tests/real_models/, benchmarks/corpus/real_models.py).
 
 A ``Model`` is a third-party model as its package's documentation builds it: parameters
 from the library's own init, a padded and an unpadded random batch, and a scalar
@@ -231,7 +231,7 @@ CHECKS = ("finite-padded", "finite-unpadded", "close-padded", "close-unpadded", 
 
 
 def summary(model: Model, dtype: str) -> dict[str, Any]:
-    """One row of the results table (benchmarks/real_models.py)."""
+    """One row of the results table (benchmarks/corpus/real_models.py)."""
     row: dict[str, Any] = dict(model=model.name, package=model.package, dtype=dtype)
     try:
         fin = {b: finite_where_float32_is(model, dtype, b)[0] for b in BATCHES}

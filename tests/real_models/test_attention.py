@@ -35,7 +35,7 @@ def _batch(padded: bool):
 
 
 BATCHES = {"padded": _batch(True), "unpadded": _batch(False)}
-# From measurement (benchmarks/results/real-models.md, CPU, JAX 0.12) with 3-5x margin.
+# From measurement (benchmarks/results/corpus/real-models.md, CPU, JAX 0.12) with 3-5x margin.
 TOL = {"float16": Tol(loss=5e-4, grad=5e-3), "bfloat16": Tol(loss=2e-3, grad=3e-2)}
 
 

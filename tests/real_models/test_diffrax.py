@@ -66,7 +66,7 @@ def neural_ode() -> Model:
         w = batch["valid"][..., None].astype(jnp.float32)
         return jnp.sum(w * (ys - batch["target"]) ** 2) / (jnp.sum(w) * DATA)
 
-    # From measurement (benchmarks/results/real-models.md, CPU, JAX 0.12) with 3-5x margin.
+    # From measurement (benchmarks/results/corpus/real-models.md, CPU, JAX 0.12) with 3-5x margin.
     tol = {"float16": Tol(loss=2e-3, grad=1e-2), "bfloat16": Tol(loss=2e-3, grad=1e-2)}
     return Model(
         "neural ODE (Tsit5, PID)",

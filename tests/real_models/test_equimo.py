@@ -55,7 +55,7 @@ def vit() -> Model:
         reg_tokens=4,
         key=jax.random.key(0),
     )
-    # From measurement (benchmarks/results/real-models.md, CPU, JAX 0.12) with 3-5x margin.
+    # From measurement (benchmarks/results/corpus/real-models.md, CPU, JAX 0.12) with 3-5x margin.
     tol = {"float16": Tol(loss=3e-4, grad=2e-3), "bfloat16": Tol(loss=1e-4, grad=1.5e-2)}
     return _image_model("VisionTransformer (RoPE, registers, qk-norm)", module, 32, tol)
 

@@ -67,7 +67,7 @@ def gemma3() -> Model:
         ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], labels)
         return jnp.sum(ce * weights) / jnp.sum(weights)
 
-    # From measurement (benchmarks/results/real-models.md, CPU, JAX 0.12) with 3-5x margin.
+    # From measurement (benchmarks/results/corpus/real-models.md, CPU, JAX 0.12) with 3-5x margin.
     tol = {"float16": Tol(loss=1e-4, grad=5e-3), "bfloat16": Tol(loss=1e-4, grad=4e-2)}
     return Model("Gemma 3 (tiny)", "gemma", params, batches, loss, tol)
 

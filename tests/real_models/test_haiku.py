@@ -38,7 +38,7 @@ def resnet18() -> Model:
         logits, _ = net.apply(params, batch["state"], None, batch["x"], is_training=True)
         return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
 
-    # From measurement (benchmarks/results/real-models.md, CPU, JAX 0.12) with 3-5x margin.
+    # From measurement (benchmarks/results/corpus/real-models.md, CPU, JAX 0.12) with 3-5x margin.
     tol = {"float16": Tol(loss=1e-4, grad=6e-2), "bfloat16": Tol(loss=1e-4, grad=0.25)}
     return Model("hk.nets.ResNet18", "dm-haiku", params, {"padded": batch, "unpadded": batch}, loss, tol)
 

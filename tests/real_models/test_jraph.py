@@ -97,7 +97,7 @@ def graph_network() -> Model:
         w = batch["graph_mask"][:, None].astype(jnp.float32)
         return jnp.sum(w * (pred - batch["labels"]["graph"]) ** 2) / jnp.sum(w)
 
-    # From measurement (benchmarks/results/real-models.md, CPU, JAX 0.12) with 3-5x margin.
+    # From measurement (benchmarks/results/corpus/real-models.md, CPU, JAX 0.12) with 3-5x margin.
     tol = {"float16": Tol(loss=4e-3, grad=1e-2), "bfloat16": Tol(loss=6e-3, grad=4e-2)}
     return Model("jraph.GraphNetwork", "jraph", params, batches, loss, tol)
 

@@ -74,7 +74,7 @@ def bert() -> Model:
         seq = jnp.sum(w * (out["sequence_output"] - target) ** 2) / (jnp.sum(w) * HIDDEN)
         return seq + jnp.mean(out["pooled_output"] ** 2)
 
-    # From measurement (benchmarks/results/real-models.md, CPU, JAX 0.12) with 3-5x margin.
+    # From measurement (benchmarks/results/corpus/real-models.md, CPU, JAX 0.12) with 3-5x margin.
     tol = {"float16": Tol(loss=1e-5, grad=5e-4), "bfloat16": Tol(loss=1e-5, grad=2e-3)}
     return Model("BertBackbone (tiny)", "keras-hub", params, batches, loss, tol)
 

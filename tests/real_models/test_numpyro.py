@@ -51,7 +51,7 @@ def bnn() -> Model:
         elbo = infer.Trace_ELBO(num_particles=2)
         return elbo.loss(batch["key"], params, _bnn, guide, batch["x"], batch["y"], batch["valid"])
 
-    # From measurement (benchmarks/results/real-models.md, CPU, JAX 0.12) with 3-5x margin.
+    # From measurement (benchmarks/results/corpus/real-models.md, CPU, JAX 0.12) with 3-5x margin.
     tol = {"float16": Tol(loss=1.5e-5, grad=2e-4), "bfloat16": Tol(loss=1e-4, grad=1.5e-3)}
     return Model("Bayesian MLP, SVI ELBO (AutoNormal)", "numpyro", params, batches, loss, tol)
 

@@ -63,7 +63,7 @@ def _griffin(scan_type) -> Model:
         ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], labels)
         return jnp.sum(ce * weights) / jnp.sum(weights)
 
-    # Measured (CPU, JAX 0.12, benchmarks/results/real-models.md), both scans: float16 loss
+    # Measured (CPU, JAX 0.12, benchmarks/results/corpus/real-models.md), both scans: float16 loss
     # 1.7e-4, gradient 1.1e-3; bfloat16 loss 2.1e-4, gradient 7.0e-3. About 5x margin.
     tol = {"float16": Tol(loss=1e-3, grad=5e-3), "bfloat16": Tol(loss=2e-3, grad=3e-2)}
     return Model(f"Griffin ({scan_type.name.lower()} scan)", "recurrentgemma", params, batches, loss, tol)
