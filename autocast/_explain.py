@@ -13,10 +13,11 @@ import numpy as np
 
 from . import _compat, _dtypes, _fp8, _plan, _rules, _walk
 from ._amp import _combine, _is_array, _partition, _transform, check_remat_float32
-from ._interpreter import Context, _rule_name
-from ._policy import AMP_STOP, default_amp_policy, validate_policy
+from ._binding import rule_name as _rule_name
+from ._interpreter import Context
+from ._policy import AMP_STOP, CATEGORIES, default_amp_policy, validate_policy
 
-_RULE_NAMES = {rule: name for name, rule in _rules.CATEGORIES.items()} | {_rules.select_in_float32: "float32"}
+_RULE_NAMES = {rule: name for name, rule in CATEGORIES.items()} | {_rules.select_in_float32: "float32"}
 
 
 @dataclasses.dataclass(frozen=True)

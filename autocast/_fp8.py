@@ -1,9 +1,8 @@
 """float8 matmuls: a policy rule that runs eligible ``dot_general`` s as scaled float8 products.
 
 The rule (categories ``fp8`` and ``fp8_any`` of a policy table; ``policies/fp8.toml``) plans
-like :func:`autocast.use_compute_precision` (a matmul in the compute dtype) and carries a
-``binder`` (see :mod:`autocast._rules`) that binds an eligible ``dot_general`` as
-:func:`fp8_dot_general`:
+like :func:`autocast.use_compute_precision` (a :class:`autocast.Rule` of role ``"compute"``)
+and binds an eligible ``dot_general`` itself (``Rule.bind``) as :func:`fp8_dot_general`:
 
 - forward: each operand quantized to ``float8_e4m3fn`` with its own per-tensor *current*
   scale (``amax / fp8 max``, amax in float32; q 0 where amax is 0; values clipped before the
@@ -41,10 +40,8 @@ stay in the compute dtype. ``autocast.explain`` says, per matmul, which way it w
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -53,7 +50,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from . import _compat, _dtypes, _fp8_cost
+from . import _compat, _dtypes, _fp8_cost, _rules
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -62,37 +59,11 @@ FP8_DTYPES = frozenset({E4M3, E5M2})
 MIN_DIM = 16
 """Default: a ``dot_general`` runs in float8 only if its M, N and K are all at least this."""
 
-# Set by ``autocast._rules`` (which imports this module, not the other way round): the
-# ``compute`` rule this rule casts like, and the variable holding the free mask.
-_HOOKS: dict[str, Any] = {}
 
-# The free mask the rule saw (set by the interpreter around the rule call); the binder,
-# called right after the rule for the same equation, reads it.
-_seen_free: contextvars.ContextVar[Sequence[bool] | None] = contextvars.ContextVar("fp8_seen_free", default=None)
-
-
-# While the interpreter evaluates equations inside an autocast checkpoint (an island of
-# ``remat_float32``), whose backward pass recomputes them from the island's inputs: the
-# variables the checkpoint saves rather than recomputes (matmul results); else None.
-_in_checkpoint: contextvars.ContextVar[frozenset | None] = contextvars.ContextVar("fp8_in_checkpoint", default=None)
-
-
-@contextlib.contextmanager
-def in_checkpoint(saved: frozenset = frozenset()) -> Iterator[None]:
-    """Mark the float8 matmuls bound inside as recomputed by an enclosing checkpoint, except
-    for operands that are the jaxpr variables in ``saved`` (values the checkpoint keeps
-    only for these matmuls: their float8 copy is kept instead)."""
-    token = _in_checkpoint.set(frozenset(saved))
-    try:
-        yield
-    finally:
-        _in_checkpoint.reset(token)
-
-
-def _recomputed(var: Any) -> bool:
+def _recomputed(ctx: Any, var: Any) -> bool:
     """Whether the backward pass has operand ``var`` at no cost: recomputed by the enclosing
-    autocast checkpoint (not one of the values it saves)."""
-    saved = _in_checkpoint.get()
+    autocast checkpoint (``ctx.checkpoint_saved``: the values it saves; None outside one)."""
+    saved = getattr(ctx, "checkpoint_saved", None)
     return saved is not None and (isinstance(var, _compat.Literal) or var not in saved)
 
 
@@ -382,10 +353,10 @@ def _quantized_operands(arrived: Sequence[Any], cast: Sequence[Any], free: Seque
     return [arrived[i] if free is None or free[i] else cast[i] for i in range(len(arrived))]
 
 
-class _Float8Rule:
+class _Float8Rule(_rules.Rule):
     """A policy rule: cast like ``use_compute_precision``; bind eligible matmuls in float8."""
 
-    compute_like = True
+    role: _rules.Role = "compute"
     casts_only = True  # a matmul it leaves to the interpreter gets a float32 weight gradient too
 
     def __init__(self, min_dim: int = MIN_DIM, activations: bool = False, target: str | None = "h100"):
@@ -399,18 +370,16 @@ class _Float8Rule:
         self.min_dim = min_dim
         self.activations = bool(activations)
         self.target = target
-        self.__name__ = self.__qualname__ = (
+        self.name = self.__name__ = self.__qualname__ = (
             f"use_float8(min_dim={min_dim}, activations={self.activations}, target={target!r})"
         )
 
-    def __call__(self, compute_dtype, original_dtypes, *invars, **params):
-        _seen_free.set(_HOOKS["free_mask"].get())
-        return _HOOKS["compute"](compute_dtype, original_dtypes, *invars, **params)
+    def cast(self, compute_dtype, original_dtypes, invars, params, free):
+        return _rules.use_compute_precision.cast(compute_dtype, original_dtypes, invars, params, free)
 
-    def binder(self, ctx, eqn, arrived, cast, params):
+    def bind(self, ctx, eqn, arrived, cast, params, free):
         if eqn.primitive.name != "dot_general":  # a named scope's other equations: as compute
             return None
-        free = _seen_free.get()
         target = None if self.target is None else _fp8_cost.TARGETS[self.target]
         half_bytes = _dtypes.dtype_of(cast[0]).itemsize  # the dtype it runs in if not float8
         ok, why = decide(eqn, arrived, free, self.min_dim, self.activations, target, half_bytes)
@@ -425,7 +394,7 @@ class _Float8Rule:
             return None
         # a free operand (parameter, input) is kept anyway, and inside an autocast checkpoint
         # (an island) a computed one is recomputed: there the backward pass quantizes again
-        recomputed = tuple(not (free and free[i]) and _recomputed(eqn.invars[i]) for i in range(2))
+        recomputed = tuple(not (free and free[i]) and _recomputed(ctx, eqn.invars[i]) for i in range(2))
         requantize = tuple(bool(free and free[i]) or recomputed[i] for i in range(2))
         # a parameter or input gets a gradient in its own dtype (float32: no rounding); a
         # computed activation's gradient is rounded to the compute dtype, as in a compute-dtype
@@ -481,11 +450,4 @@ def use_float8(min_dim: int = MIN_DIM, activations: bool = False, target: str | 
 
 
 CATEGORIES = {"fp8": use_float8(), "fp8_any": use_float8(activations=True)}
-"""The policy-table categories (registered in :data:`autocast._rules.CATEGORIES`)."""
-
-
-def install(compute_rule: Any, free_mask: contextvars.ContextVar) -> dict[str, Any]:
-    """Called once by :mod:`autocast._rules`: the rule to cast like and the free-mask
-    variable; returns the categories to register."""
-    _HOOKS.update(compute=compute_rule, free_mask=free_mask)
-    return CATEGORIES
+"""The policy-table categories this module adds (:data:`autocast._policy.CATEGORIES`)."""

@@ -149,7 +149,7 @@ def _float32_only(ctx: Context, jaxpr_like: Any, scopes: tuple) -> bool:
         if _registry.handler_for(eqn) is not None and not ctx.lookup.explicit(eqn.primitive):
             return False
         rule = ctx.lookup.rule(eqn.primitive, inner)
-        if _rules.is_compute_rule(rule) or rule is _rules.use_original_precision:
+        if rule.role in ("compute", "original"):
             return False
     return True
 

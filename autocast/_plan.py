@@ -4,6 +4,7 @@ equations are rematerialisation islands."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -73,13 +74,59 @@ COMMUTES_WITH_ROUNDING = LAYOUT | {
 }
 
 
-class Plan(NamedTuple):
-    steps: list[tuple[str, Any]]
+class Step(NamedTuple):
+    """How the interpreter evaluates one equation: ``kind`` is :data:`STOP` (inside
+    ``amp_stop``: bound exactly as traced), :data:`RULE` (``rule`` casts its operands) or
+    :data:`HIGHER` (a primitive holding jaxprs: ``handler`` transforms its bodies)."""
+
+    kind: str
+    rule: Any = None
+    """RULE: the :class:`autocast.Rule`."""
+    handler: Any = None
+    """HIGHER: the handler (:mod:`autocast._registry`)."""
+    out_float32: Sequence[bool] = ()
+    """HIGHER: which outputs every consumer reads in float32 (its bodies compute them so)."""
+    pulls: Sequence[bool | str] = ()
+    """HIGHER: which operands its bodies consume only in float32 (:func:`input_pulls`)."""
+    out_narrow: Sequence[bool] = ()
+    """HIGHER: which outputs every consumer reads in the compute dtype (its body narrows them)."""
+
+    @property
+    def computes(self) -> bool:
+        """A rule of role ``"compute"`` (a matmul in the compute dtype)."""
+        return self.kind == RULE and self.rule.role == "compute"
+
+    def role(self) -> str | None:
+        return self.rule.role if self.kind == RULE else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The plan of one jaxpr's evaluation (:func:`plan`), one entry per equation where a list."""
+
+    steps: list[Step]
+    """How each equation is evaluated."""
     island: list[bool]
+    """Whether each equation computes in float32 (part of a float32 island)."""
     narrow: set
-    wide: dict
+    """Float vars that every consumer reads in the compute dtype: a float32 value such a var
+    holds (a norm's result) is rounded where it is made."""
+    wide: dict[int, set[int]]
+    """Index of each matmul whose results only float32 operations of this jaxpr read -> the
+    indices of those readers: it may store a float32 result (:mod:`autocast._wide`)."""
     bias_sums: frozenset
+    """``add`` outputs summing a matmul result and a bias before an expensive function
+    (:func:`_bias_sums`)."""
     statistics: frozenset
+    """``reduce_sum`` outputs a recomputed island's checkpoint saves (:func:`_statistics`)."""
+
+
+class _Analysis(NamedTuple):
+    steps: list[Step]
+    island: list[bool]
+    wants32: dict  # var -> consumed only in float32
+    narrow: set
+    selected: set  # vars read in float32 only through selections that convert them
 
 
 def plan(
@@ -95,32 +142,26 @@ def plan(
     float32 output) are switched to float32: ``x - max(x)`` in a softmax is then computed
     from the half-precision logits in float32 instead of being rounded to half first.
 
-    A higher-order equation (``jit``, ``scan``, ``custom_jvp_call``, ...) gets the step
-    ``(HIGHER, (handler, out_float32, pulls, out_narrow))``: which of its outputs are
-    consumed only in float32 (its bodies then compute them in float32 too), which operands
-    its bodies consume only in float32 (from the primitive's pull rule; the interpreter casts
-    those once, outside, and the outer plan counts the equation as a float32 consumer of
-    them), and which of its outputs every consumer reads in the compute dtype (a call's body
-    then narrows them where they are made: ``elu``'s ``jit``).
+    A higher-order equation (``jit``, ``scan``, ``custom_jvp_call``, ...) gets a
+    :data:`HIGHER` step with its handler and: which of its outputs are consumed only in
+    float32 (its bodies then compute them in float32 too), which operands its bodies consume
+    only in float32 (from the primitive's pull rule; the interpreter casts those once,
+    outside, and the outer plan counts the equation as a float32 consumer of them), and which
+    of its outputs every consumer reads in the compute dtype (a call's body then narrows them
+    where they are made: ``elu``'s ``jit``).
 
-    The third result is the set of vars to *narrow*: float vars that every consumer reads
-    in the compute dtype (``out_narrow``: the outputs of ``jaxpr`` that its caller's
-    consumers read so), directly (a matmul, a convolution) or through operations that
-    commute with rounding (``relu``, data movement; see :func:`narrow_inputs`). A float32
-    value such a var holds (a norm's result) is rounded where it is made, so ``relu``
-    between a BatchNorm and a convolution runs, and keeps its residual, in half precision.
-
-    The fifth result, ``bias_sums``: see :func:`_bias_sums`; the sixth, ``statistics``: see
-    :func:`_statistics`.
-
-    The fourth result, ``wide``, maps the index of each matmul (convolution) whose results
-    only float32 operations of this jaxpr read to the indices of those readers: it may store
-    a float32 result (:mod:`autocast._wide`) instead of rounding it to half precision for
-    nothing.
+    :attr:`Plan.narrow` holds the float vars that every consumer reads in the compute dtype
+    (``out_narrow``: the outputs of ``jaxpr`` that its caller's consumers read so), directly
+    (a matmul, a convolution) or through operations that commute with rounding (``relu``,
+    data movement; see :func:`narrow_inputs`). A float32 value such a var holds (a norm's
+    result) is rounded where it is made, so ``relu`` between a BatchNorm and a convolution
+    runs, and keeps its residual, in half precision. :attr:`Plan.wide`: matmuls whose
+    results only float32 operations of this jaxpr read may store a float32 result
+    (:mod:`autocast._wide`) instead of rounding it to half precision for nothing.
     """
-    steps, island, wants32, narrow, _ = _plan(ctx, jaxpr, scopes, out_float32, out_narrow)
-    wide = _wide_matmuls(jaxpr, steps, wants32)
-    return Plan(steps, island, narrow, wide, _bias_sums(jaxpr, steps), _statistics(jaxpr, steps))
+    a = _plan(ctx, jaxpr, scopes, out_float32, out_narrow)
+    wide = _wide_matmuls(jaxpr, a.steps, a.wants32)
+    return Plan(a.steps, a.island, a.narrow, wide, _bias_sums(jaxpr, a.steps), _statistics(jaxpr, a.steps))
 
 
 # Elementwise primitives that XLA:GPU counts as expensive (it does not fuse them into a
@@ -151,11 +192,11 @@ def _bias_sums(jaxpr: Any, steps: list) -> frozenset:
     backward kernel (:func:`autocast._interpreter._bias_into_float32`); elsewhere (a loss
     head, a softmax) that would only round the bias's cotangent for nothing."""
     made: set = set()
-    for eqn, (kind, rule) in zip(jaxpr.eqns, steps):
-        if kind != RULE:
+    for eqn, step in zip(jaxpr.eqns, steps):
+        if step.kind != RULE:
             continue
         floats = [v for v in eqn.invars if not isinstance(v, _compat.Literal) and _dtypes.is_castable(v.aval.dtype)]
-        if _rules.is_compute_rule(rule) or (
+        if step.computes or (
             eqn.primitive.name in LAYOUT | {"convert_element_type"} and len(floats) == 1 and floats[0] in made
         ):
             made.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
@@ -165,8 +206,8 @@ def _bias_sums(jaxpr: Any, steps: list) -> frozenset:
             if not isinstance(v, _compat.Literal):
                 readers.setdefault(v, []).append(k)
     found: set = set()
-    for eqn, (kind, _) in zip(jaxpr.eqns, steps):
-        if kind != RULE or eqn.primitive.name not in ("add", "add_any") or len(eqn.outvars) != 1:
+    for eqn, step in zip(jaxpr.eqns, steps):
+        if step.kind != RULE or eqn.primitive.name not in ("add", "add_any") or len(eqn.outvars) != 1:
             continue
         if not any(v in made for v in eqn.invars if not isinstance(v, _compat.Literal)):
             continue
@@ -177,10 +218,10 @@ def _bias_sums(jaxpr: Any, steps: list) -> frozenset:
                 if k in seen:
                     continue
                 seen.add(k)
-                reader, (rkind, rrule) = jaxpr.eqns[k], steps[k]
-                if rkind == RULE and _rules.is_compute_rule(rrule):
+                reader, rstep = jaxpr.eqns[k], steps[k]
+                if rstep.computes:
                     continue  # the next matmul: its own backward pass
-                names = _computes(reader, rkind)  # a call (GELU under jit): what its bodies compute
+                names = _computes(reader, rstep.kind)  # a call (GELU under jit): what its bodies compute
                 expensive = expensive or any(n in _EXPENSIVE for n in names)
                 reduced = any(n.startswith(_REDUCTIONS) for n in names)
                 todo.extend(reader.outvars)
@@ -216,18 +257,18 @@ def _statistics(jaxpr: Any, steps: list) -> frozenset:
             if u in seen or u in cheap or u not in producer:
                 continue  # seen, known, or an input of this jaxpr (or a literal)
             seen.add(u)
-            eqn, (kind, rule) = producer[u]
-            if kind == RULE and _rules.is_compute_rule(rule):
+            eqn, step = producer[u]
+            if step.computes:
                 continue  # a matmul's result: stored anyway
-            if any(n in _EXPENSIVE for n in _computes(eqn, kind)):
+            if any(n in _EXPENSIVE for n in _computes(eqn, step.kind)):
                 return False
             todo.extend(x for x in eqn.invars if not isinstance(x, _compat.Literal))
         cheap.update(seen)
         return True
 
     found: set = set()
-    for eqn, (kind, _) in zip(jaxpr.eqns, steps):
-        if kind != RULE or eqn.primitive.name != "reduce_sum" or len(eqn.invars) != 1:
+    for eqn, step in zip(jaxpr.eqns, steps):
+        if step.kind != RULE or eqn.primitive.name != "reduce_sum" or len(eqn.invars) != 1:
             continue
         (x,), (y,) = eqn.invars, eqn.outvars
         if isinstance(y, _compat.DropVar) or not _dtypes.is_floating(y.aval.dtype):
@@ -247,14 +288,14 @@ def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> dict[int, set[int]]
                 consumers.setdefault(v, []).append(k)
     outs = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
     wide: dict[int, set[int]] = {}
-    for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, steps)):
-        if kind != RULE or not _rules.is_compute_rule(rule) or eqn.primitive.name not in _wide.BILINEAR:
+    for i, (eqn, step) in enumerate(zip(jaxpr.eqns, steps)):
+        if not step.computes or eqn.primitive.name not in _wide.BILINEAR:
             continue
         floats = [v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype) and not isinstance(v, _compat.DropVar)]
         # read in float32 by every consumer, all of them equations of this jaxpr (what a
         # caller or a nested body does with the value is not seen here)
         if floats and all(
-            wants32.get(v, False) and v not in outs and all(steps[k][0] == RULE for k in consumers.get(v, ()))
+            wants32.get(v, False) and v not in outs and all(steps[k].kind == RULE for k in consumers.get(v, ()))
             for v in floats
         ):
             wide[i] = {k for v in floats for k in consumers.get(v, ())}
@@ -263,24 +304,22 @@ def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> dict[int, set[int]]
 
 def _plan(
     ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool], out_narrow: Sequence[bool] | None = None
-):
-    steps: list[tuple[str, Any]] = []
+) -> _Analysis:
+    steps: list[Step] = []
     f32_made: set = set()  # vars computed in float32 by a float32 rule (or derived from one)
     for eqn in jaxpr.eqns:
         eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
         if AMP_STOP in eqn_scopes:
-            steps.append((STOP, None))
+            steps.append(Step(STOP))
             continue
         handler = None if ctx.lookup.explicit(eqn.primitive) else _registry.handler_for(eqn)
         if handler is not None:
-            steps.append((HIGHER, handler))
+            steps.append(Step(HIGHER, handler=handler))
             continue
         rule = ctx.lookup.rule(eqn.primitive, eqn_scopes)
-        steps.append((RULE, rule))
+        steps.append(Step(RULE, rule))
         ins = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
-        if rule is _rules.use_float32_precision or (
-            rule is _rules.use_input_precision and any(v in f32_made for v in ins)
-        ):
+        if rule.role == "float32" or (rule.role == "input" and any(v in f32_made for v in ins)):
             f32_made.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
 
     # Backward: which float vars are consumed only in float32; and which of those a slice or
@@ -292,23 +331,24 @@ def _plan(
         if not isinstance(v, _compat.Literal):
             wants32[v] = wants32.get(v, True) and bool(is32)
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
-        eqn, (kind, rule) = jaxpr.eqns[i], steps[i]
+        eqn, step = jaxpr.eqns[i], steps[i]
+        kind, rule = step.kind, step.rule
         pulls = False
         if kind == HIGHER:
             out32 = [isinstance(v, _compat.DropVar) or wants32.get(v, False) for v in eqn.outvars]
             pull_rule = _registry.PULL_RULES.get(eqn.primitive)
             eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
             flags = list(pull_rule(ctx, eqn, eqn_scopes, out32)) if pull_rule is not None else [False] * len(eqn.invars)
-            steps[i] = (HIGHER, (rule, out32, flags))
+            steps[i] = step._replace(out_float32=out32, pulls=flags)
             for v, flag in zip(eqn.invars, flags):
                 if not isinstance(v, _compat.Literal) and _dtypes.is_castable(v.aval.dtype):
                     wants32[v] = wants32.get(v, True) and bool(flag)
                     if flag == SELECTED:
                         selected.add(v)
             continue
-        if kind == RULE and rule is _rules.use_float32_precision:
+        if kind == RULE and rule.role == "float32":
             pulls = True
-        elif kind == RULE and rule is _rules.use_input_precision:
+        elif kind == RULE and rule.role == "input":
             float_outs = [v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype)]
             # (a ``select_n`` is exact in any dtype: it stays in the dtype its operands arrive
             # in and its float32 readers cast its result, so a ``where`` on a half activation
@@ -322,10 +362,10 @@ def _plan(
                     eqn.primitive.name in LAYOUT and len(eqn.invars) == 1 and any(v in selected for v in float_outs)
                 )
                 if _reads_each_once(eqn):
-                    steps[i] = (RULE, _rules.select_in_float32)
+                    steps[i] = Step(RULE, _rules.select_in_float32)
                 elif not passes_on:
-                    steps[i] = (RULE, _rules.use_float32_precision)
-                if steps[i][1] is not _rules.use_float32_precision and not isinstance(eqn.invars[0], _compat.Literal):
+                    steps[i] = Step(RULE, _rules.use_float32_precision)
+                if steps[i].rule is not _rules.use_float32_precision and not isinstance(eqn.invars[0], _compat.Literal):
                     selected.add(eqn.invars[0])  # (not a broadcast literal: nothing to hand over)
             elif any(v in f32_made for v in eqn.invars if not isinstance(v, _compat.Literal)):
                 pulls = True  # mixes with a float32 result: runs in float32 anyway
@@ -335,15 +375,15 @@ def _plan(
             wants32[v] = wants32.get(v, True) and pulls
 
     narrow = _narrowed(ctx, jaxpr, steps, scopes, out_narrow) if ctx.compute_dtype != _dtypes.FLOAT32 else set()
-    for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, steps)):
-        if kind == HIGHER:
-            steps[i] = (HIGHER, (*rule, [v in narrow for v in eqn.outvars]))
+    for i, (eqn, step) in enumerate(zip(jaxpr.eqns, steps)):
+        if step.kind == HIGHER:
+            steps[i] = step._replace(out_narrow=[v in narrow for v in eqn.outvars])
 
     # Forward again: which equations compute in float32 (rematerialisation islands).
     island, alone = _islands(ctx, jaxpr, steps, scopes, narrow)
     if alone:
         island, _ = _islands(ctx, jaxpr, steps, scopes, narrow, frozenset(alone))
-    return steps, island, wants32, narrow, selected
+    return _Analysis(steps, island, wants32, narrow, selected)
 
 
 def _reads_each_once(eqn: Any) -> bool:
@@ -383,7 +423,8 @@ def _islands(
     if not ctx.remat:
         return island, by_itself
     f32: set = set()
-    for i, (eqn, (kind, rule)) in enumerate(zip(jaxpr.eqns, steps)):
+    for i, (eqn, step) in enumerate(zip(jaxpr.eqns, steps)):
+        kind, role = step.kind, step.role()
         if eqn.effects or kind == STOP:  # callbacks and other effects cannot be rematerialised
             continue
         ins = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
@@ -394,18 +435,15 @@ def _islands(
             # call that computes in float32 itself (softplus's custom JVP rule)
             eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
             fed = any(v in f32 for v in ins) and _registry.narrow_body(eqn) is not None
-            own = i not in alone and _registry.computes_in_float32(ctx, eqn, eqn_scopes, rule[1])
+            own = i not in alone and _registry.computes_in_float32(ctx, eqn, eqn_scopes, step.out_float32)
             joins = fed or own
             if own and not fed and eqn.primitive in (_compat.jit_p, _compat.closed_call_p):
                 by_itself.append(i)
         else:
             joins = (
-                rule is _rules.use_float32_precision
-                or (
-                    rule in (_rules.use_input_precision, _rules.use_widest_precision, _rules.select_in_float32)
-                    and any(v in f32 for v in ins)
-                )
-                or (rule is _rules.use_original_precision and outs32)
+                role == "float32"
+                or (role in ("input", "widest", "select_float32") and any(v in f32 for v in ins))
+                or (role == "original" and outs32)
             )
         if joins:
             island[i] = True
@@ -443,8 +481,8 @@ def _widens(jaxpr: Any, steps: list, island: list[bool], i: int) -> bool:
         b += 1
     made = {v for eqn in jaxpr.eqns[a:b] for v in eqn.outvars}
     size = max((v.aval.size for v in jaxpr.eqns[i].invars if not isinstance(v, _compat.Literal)), default=0)
-    for eqn, (kind, rule) in zip(jaxpr.eqns[b:], steps[b:]):
-        if kind == RULE and _rules.is_compute_rule(rule) and any(v in made for v in eqn.invars):
+    for eqn, step in zip(jaxpr.eqns[b:], steps[b:]):
+        if step.computes and any(v in made for v in eqn.invars):
             if any(v.aval.size > _WIDENING * size for v in eqn.outvars):
                 return True
     return False
@@ -456,15 +494,15 @@ def _narrowed(ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], out_na
     for v, n in zip(jaxpr.outvars, out_narrow or [False] * len(jaxpr.outvars)):
         if not isinstance(v, _compat.Literal):
             ok[v] = ok.get(v, True) and bool(n)
-    for eqn, (kind, rule) in zip(reversed(jaxpr.eqns), reversed(steps)):
+    for eqn, step in zip(reversed(jaxpr.eqns), reversed(steps)):
         outs_ok = all(
             isinstance(v, _compat.DropVar) or ok.get(v, False) for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype)
         )
-        if kind == RULE and _rules.is_compute_rule(rule):
+        if step.computes:
             flags = [True] * len(eqn.invars)
-        elif kind == RULE and rule is _rules.use_input_precision and eqn.primitive.name in COMMUTES_WITH_ROUNDING:
+        elif step.role() == "input" and eqn.primitive.name in COMMUTES_WITH_ROUNDING:
             flags = [outs_ok] * len(eqn.invars)
-        elif kind == HIGHER and (body := _registry.narrow_body(eqn)) is not None:
+        elif step.kind == HIGHER and (body := _registry.narrow_body(eqn)) is not None:
             out_n = [isinstance(v, _compat.DropVar) or ok.get(v, False) for v in eqn.outvars]
             eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
             flags = narrow_inputs(ctx, body, eqn_scopes, out_n)
@@ -486,7 +524,7 @@ def narrow_inputs(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_narrow
     def build():
         open_, _ = _compat.open_and_consts(jaxpr_like)
         out32 = [False] * len(open_.outvars)
-        steps, _, _, narrow, _ = _plan(ctx, open_, scopes, out32, out_narrow)
+        narrow = _plan(ctx, open_, scopes, out32, out_narrow).narrow
         outs = {v for v in open_.outvars if not isinstance(v, _compat.Literal)}
         return [v in narrow and v not in outs for v in open_.invars]
 
@@ -516,15 +554,16 @@ def input_pulls(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_float32:
 
     def build():
         open_, _ = _compat.open_and_consts(jaxpr_like)
-        steps, _, wants32, _, selected = _plan(ctx, open_, scopes, out_float32)
+        a = _plan(ctx, open_, scopes, out_float32)
+        wants32, selected = a.wants32, a.selected
         risky: set = set()  # vars whose float32 value a non-linear operation would keep
-        for eqn, (kind, rule) in reversed(list(zip(open_.eqns, steps))):
+        for eqn, step in reversed(list(zip(open_.eqns, a.steps))):
             outs_risky = any(v in risky for v in eqn.outvars)
             for pos, v in enumerate(eqn.invars):
                 if isinstance(v, _compat.Literal):
                     continue
-                if kind == HIGHER:
-                    ok = rule[2][pos]
+                if step.kind == HIGHER:
+                    ok = step.pulls[pos]
                 else:
                     ok = (eqn.primitive.name in _NO_RESIDUAL or is_linear(eqn)) and not outs_risky
                 if not ok:

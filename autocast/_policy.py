@@ -19,11 +19,14 @@ import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from . import _compat, _rules
+from . import _compat, _fp8, _rules
 
 PolicyKey = _compat.Primitive | str
 AMP_DEFAULT = "amp_default"
 AMP_STOP = "amp_stop"
+
+CATEGORIES: dict[str, _rules.Rule] = {**_rules.CATEGORIES, **_fp8.CATEGORIES}
+"""The rule each category name of a policy file stands for (``policies/README.md``)."""
 
 # Rules registered with ``register_rule``: part of the default policy, and the fallback of
 # any user policy for a primitive it does not name.
@@ -124,7 +127,7 @@ def table_categories(table: Mapping[str, Any], origin: str) -> tuple[dict[str, l
     """Check a policy table's schema; return (category -> names, scope -> category, fallback)."""
     if table.get("schema") != 1:
         raise ValueError(f"policy {origin}: 'schema = 1' is required, got {table.get('schema')!r}.")
-    known = set(_rules.CATEGORIES) | {"recurse"}
+    known = set(CATEGORIES) | {"recurse"}
     prims = table.get("primitives", {})
     for category, names in prims.items():
         if category not in known:
@@ -135,14 +138,14 @@ def table_categories(table: Mapping[str, Any], origin: str) -> tuple[dict[str, l
             raise ValueError(f"policy {origin}: [primitives].{category} must be a list of primitive names.")
     scopes = table.get("scopes", {})
     for scope, category in scopes.items():
-        if category not in _rules.CATEGORIES:
+        if category not in CATEGORIES:
             raise ValueError(
-                f"policy {origin}: scope {scope!r} has unknown category {category!r}; allowed: {sorted(_rules.CATEGORIES)}."
+                f"policy {origin}: scope {scope!r} has unknown category {category!r}; allowed: {sorted(CATEGORIES)}."
             )
     fallback = table.get("fallback", "original")
-    if fallback not in _rules.CATEGORIES:
+    if fallback not in CATEGORIES:
         raise ValueError(
-            f"policy {origin}: fallback {fallback!r} is not a category; allowed: {sorted(_rules.CATEGORIES)}."
+            f"policy {origin}: fallback {fallback!r} is not a category; allowed: {sorted(CATEGORIES)}."
         )
     return prims, scopes, fallback
 
@@ -175,10 +178,10 @@ def load_policy(source: str | os.PathLike = "default") -> AmpPolicy:
             if not found:
                 unresolved.append(name)
             for prim in found or ():
-                rules[prim] = _rules.CATEGORIES[category]
+                rules[prim] = CATEGORIES[category]
     for scope, category in scopes.items():
-        rules[scope] = _rules.CATEGORIES[category]
-    rules[AMP_DEFAULT] = _rules.CATEGORIES[fallback]
+        rules[scope] = CATEGORIES[category]
+    rules[AMP_DEFAULT] = CATEGORIES[fallback]
     name = table.get("name", origin)
     return AmpPolicy((_REGISTRY, types.MappingProxyType(rules)), name=name, unresolved=tuple(unresolved))
 
@@ -253,46 +256,47 @@ default_amp_policy: AmpPolicy = load_policy("default")
 
 
 class Lookup:
-    """Rule lookup for one policy: scopes (outermost first), primitive, registry, default."""
+    """Rule lookup for one policy: scopes (outermost first), primitive, registry, default.
+    Rules come back as :class:`autocast.Rule` objects (a plain function wrapped once)."""
 
     def __init__(self, policy: Mapping):
         self.policy = policy
         self.scope_keys = [k for k in policy if isinstance(k, str) and k not in (AMP_DEFAULT,)]
-        self.default = policy.get(AMP_DEFAULT, _rules.use_original_precision)
+        self.default = _rules.as_rule(policy.get(AMP_DEFAULT, _rules.use_original_precision))
 
-    def scope_rule(self, scopes: tuple[str, ...]) -> tuple[Callable | None, str | None]:
+    def scope_rule(self, scopes: tuple[str, ...]) -> tuple[_rules.Rule | None, str | None]:
         if AMP_STOP in scopes:
             return _rules.use_original_precision, AMP_STOP
         for scope in scopes:
             for key in self.scope_keys:
                 if key == scope or (any(c in key for c in "*?[") and fnmatch.fnmatchcase(scope, key)):
-                    return self.policy[key], key
+                    return _rules.as_rule(self.policy[key]), key
         return None, None
 
     def explicit(self, prim: _compat.Primitive) -> bool:
         """Whether the policy (or the registry) names ``prim`` itself."""
         return prim in self.policy or prim in _REGISTRY
 
-    def rule(self, prim: _compat.Primitive, scopes: tuple[str, ...]) -> Callable:
+    def rule(self, prim: _compat.Primitive, scopes: tuple[str, ...]) -> _rules.Rule:
         rule, _ = self.scope_rule(scopes)
         if rule is not None:
             return rule
-        rule = self.policy.get(prim)
-        if rule is None:
-            rule = _REGISTRY.get(prim, self.default)
-        return rule
+        found = self.policy.get(prim)
+        if found is None:
+            found = _REGISTRY.get(prim)
+        return self.default if found is None else _rules.as_rule(found)
 
-    def rule_and_reason(self, prim: _compat.Primitive, scopes: tuple[str, ...]) -> tuple[Callable, str]:
+    def rule_and_reason(self, prim: _compat.Primitive, scopes: tuple[str, ...]) -> tuple[_rules.Rule, str]:
         """:meth:`rule` and why it applies (for ``autocast.explain``): ``"amp_stop"``,
         ``"scope 'KEY'"``, ``"registered rule"``, ``"primitive table"`` or ``"fallback"``."""
         rule, key = self.scope_rule(scopes)
         if rule is not None:
             return rule, AMP_STOP if key == AMP_STOP else f"scope {key!r}"
-        rule = self.policy.get(prim)
-        if rule is not None:
+        found = self.policy.get(prim)
+        if found is not None:
             layers = getattr(self.policy, "_layers", (self.policy,))
             first = next((layer for layer in layers if prim in layer), None)
-            return rule, "registered rule" if first is _REGISTRY else "primitive table"
+            return _rules.as_rule(found), "registered rule" if first is _REGISTRY else "primitive table"
         if prim in _REGISTRY:
-            return _REGISTRY[prim], "registered rule"
+            return _rules.as_rule(_REGISTRY[prim]), "registered rule"
         return self.default, "fallback"

@@ -1,6 +1,7 @@
-"""Casting rules: what an equation's operands are cast to before it is bound.
+"""Casting rules: what an equation's operands are cast to before it is bound, and how.
 
-A rule has the protocol of jaxamp (which autocast keeps, so jaxamp rules work unchanged)::
+A rule is a :class:`Rule`. Called, it has the protocol of jaxamp (which autocast keeps, so
+jaxamp rules and plain functions work unchanged)::
 
     rule(compute_dtype, original_dtypes, *invars, **bind_params) -> (invars, bind_params)
 
@@ -10,6 +11,13 @@ float32 for a float32 model); ``invars`` are the operands as they arrive now (so
 already be in half precision); ``bind_params`` are the primitive's parameters. A rule
 returns the operands to bind with and the parameters; it must return as many operands as
 it got, may change only float16/bfloat16/float32 operands, and only to a floating dtype.
+A plain function with that protocol is a rule too: a policy may hold one, and the
+interpreter wraps it (:func:`as_rule`).
+
+Beyond the call, a :class:`Rule` declares what the planner may assume about it (``role``,
+``casts_only``) and may bind its equation itself (``bind``: a float8 matmul, a fused
+attention kernel). The built-in rules, :mod:`autocast._fp8`'s float8 rule and the attention
+rewrite are all ``Rule`` objects; none carries attributes beyond the class's.
 
 Rules never change integers, booleans, PRNG keys, float64 or complex values: the helpers
 here skip them.
@@ -17,24 +25,133 @@ here skip them.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
 
 import jax
 import numpy as np
 
-from . import _compat, _dtypes, _fp8
+from . import _compat, _dtypes
 
-Rule = Callable[..., tuple[Sequence[Any], dict[str, Any]]]
+Role = Literal["compute", "float32", "input", "widest", "original", "as_is", "convert", "select_float32", "opaque"]
+"""What the planner may assume about a rule's equation (:attr:`Rule.role`)."""
 
-# Which operands of the equation being ruled on are "free": function inputs, constants and
-# literals, or values only reshaped/broadcast/sliced from them (not computed). The
-# interpreter sets it around each rule call; ``use_input_precision`` reads it so that a
-# parameter or a scalar constant adapts to a half-precision activation instead of dragging
-# it up to float32. User rules can ignore it.
-_free_mask: contextvars.ContextVar[Sequence[bool] | None] = contextvars.ContextVar("free_mask", default=None)
+Cast = tuple[list[Any], dict[str, Any]]
+
+
+class Rule:
+    """A casting rule (see the module docstring for the call protocol).
+
+    Subclass it for a rule the planner should know more about, or that binds its equation
+    itself; override :meth:`cast` (or ``__call__``, which calls :meth:`cast` by default).
+
+    Attributes:
+        role: what the planner may assume. ``"compute"``: the equation runs in the compute
+            dtype, reading and making half-precision values (a matmul: the planner rounds
+            float32 values that only such equations read, and may store a float32 result
+            where only float32 operations read it). ``"float32"``: it computes in float32.
+            ``"input"``: it follows the dtypes its operands arrive in (the planner may
+            switch it to float32 where only float32 operations read its result).
+            ``"widest"``, ``"original"``, ``"as_is"``, ``"convert"``: as the built-in rules
+            of those names. ``"opaque"`` (default): nothing is assumed.
+        casts_only: whether the rule changes its operands only by casting them (a narrowed
+            parameter's gradient may then leave its matmul in float32, :mod:`autocast._wide`).
+        name: shown by :func:`autocast.explain` and in errors.
+    """
+
+    role: Role = "opaque"
+    casts_only: bool = False
+    name: str = "rule"
+
+    def cast(
+        self,
+        compute_dtype: np.dtype,
+        original_dtypes: Sequence[Any],
+        invars: Sequence[Any],
+        params: dict[str, Any],
+        free: Sequence[Any] | None,
+    ) -> Cast:
+        """The operands to bind with and the parameters. ``free[i]`` says operand ``i`` is a
+        function input, a constant, a literal or only moved from them (None: unknown)."""
+        with _free_operands(free):
+            return self(compute_dtype, original_dtypes, *invars, **params)  # type: ignore[return-value]
+
+    def bind(self, ctx: Any, eqn: Any, arrived: Sequence[Any], cast: Sequence[Any], params: dict[str, Any],
+             free: Sequence[Any] | None) -> list[Any] | None:  # fmt: skip
+        """Bind the equation itself and return its outputs, or None (the default) to have the
+        interpreter bind ``eqn.primitive`` on the cast operands. ``arrived``: the operands
+        before :meth:`cast`; ``cast``: what it returned; ``ctx``: the interpreter's context
+        (``ctx.checkpoint_saved``: inside an autocast checkpoint, the values it saves)."""
+        return None
+
+    def __call__(self, compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **params: Any) -> Cast:
+        return self.cast(compute_dtype, original_dtypes, list(invars), params, _FREE.get())
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+# While a rule runs: which operands are free (see ``Rule.cast``), so that a plain function
+# rule that delegates to a built-in one (``use_input_precision``) gets the same answer.
+_FREE: contextvars.ContextVar[Sequence[Any] | None] = contextvars.ContextVar("free_operands", default=None)
+
+
+@contextlib.contextmanager
+def _free_operands(free: Sequence[Any] | None) -> Iterator[None]:
+    token = _FREE.set(free)
+    try:
+        yield
+    finally:
+        _FREE.reset(token)
+
+
+class _FunctionRule(Rule):
+    """A rule from a function with the call protocol (a built-in rule's documented
+    function, or a user's), with what the planner may assume about it."""
+
+    def __init__(self, fn: Callable[..., Any], role: Role = "opaque", casts_only: bool = False, cast=None):
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._cast = cast
+        self.role = role
+        self.casts_only = casts_only
+        self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+    def __call__(self, compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **params: Any) -> Cast:
+        return self._fn(compute_dtype, original_dtypes, *invars, **params)
+
+    def cast(self, compute_dtype, original_dtypes, invars, params, free) -> Cast:
+        if self._cast is not None:
+            return self._cast(compute_dtype, original_dtypes, list(invars), params, free)
+        with _free_operands(free):
+            return self._fn(compute_dtype, original_dtypes, *invars, **params)
+
+
+def _builtin(role: Role, casts_only: bool = False, cast=None) -> Callable[[Callable[..., Any]], Rule]:
+    return lambda fn: _FunctionRule(fn, role, casts_only, cast)
+
+
+_WRAPPED: dict[Any, Rule] = {}
+
+
+def as_rule(rule: Any) -> Rule:
+    """``rule`` as a :class:`Rule`: itself, or a callable with the call protocol wrapped
+    (once per callable) as an opaque rule."""
+    if isinstance(rule, Rule):
+        return rule
+    try:
+        return _WRAPPED[rule]
+    except (KeyError, TypeError):
+        pass
+    wrapped = _FunctionRule(rule)
+    try:
+        _WRAPPED[rule] = wrapped
+    except TypeError:  # an unhashable callable: wrapped anew each time
+        pass
+    return wrapped
 
 
 def _castable_pairs(original_dtypes: Sequence[Any], invars: Sequence[Any]) -> list[int]:
@@ -59,6 +176,7 @@ def _with_preferred(params: dict[str, Any], dtype: Any) -> dict[str, Any]:
     return params
 
 
+@_builtin("compute", casts_only=True)
 def use_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     """Float operands in the compute dtype (matmuls, convolutions).
 
@@ -77,27 +195,7 @@ def use_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     return _cast_all(invars, idx, compute_dtype), _with_preferred(params, compute_dtype)
 
 
-def is_compute_rule(rule: Any) -> bool:
-    """Whether ``rule`` runs its equation in the compute dtype the way
-    :func:`use_compute_precision` does (a matmul in half precision): the planner then treats
-    the equation as a half-precision consumer of its operands and a producer of a
-    half-precision result. A rule opts in with the attribute ``compute_like = True``."""
-    return rule is use_compute_precision or getattr(rule, "compute_like", False) is True
-
-
-def casts_only(rule: Any) -> bool:
-    """Whether ``rule`` changes its operands only by casting them (so a narrowed operand is
-    ``operand.astype(dtype)``): :func:`use_compute_precision`, :func:`use_precision` rules,
-    and rules with the attribute ``casts_only = True``."""
-    return rule is use_compute_precision or getattr(rule, "casts_only", False) is True
-
-
-# A rule may also carry ``binder(ctx, eqn, arrived, cast, params) -> outputs | None``: the
-# interpreter then calls it instead of binding the primitive on the cast operands
-# (``arrived``: the operands before the rule; ``cast``: what the rule returned). It returns
-# the equation's outputs, or None to have the equation bound as usual.
-
-
+@_builtin("float32")
 def use_float32_precision(compute_dtype, original_dtypes, *invars, **params):
     """Float operands in float32; the result stays float32 (exp/log, reductions, ...).
 
@@ -112,42 +210,47 @@ def use_float32_precision(compute_dtype, original_dtypes, *invars, **params):
     return _cast_all(invars, idx, _dtypes.FLOAT32), _with_preferred(params, _dtypes.FLOAT32)
 
 
-def select_in_float32(compute_dtype, original_dtypes, *invars, **params):
+class _SelectInFloat32(Rule):
     """The planner's float32 rule for a slice or a gather that reads each element of its
     operand at most once and whose every reader computes in float32 (the label logit of a
-    cross-entropy); not a policy category. Its ``binder`` takes a
-    half-precision operand through a custom JVP: the result is selected from the operand's
-    float32 conversion (the very value the other float32 readers of the operand convert to,
-    so XLA's excess precision cannot give the two paths different roundings), but the
-    tangent is selected in half precision and converted after, so the backward pass
-    scatters a half-precision cotangent, of the operand's size, that XLA folds into the
-    operand's other cotangents, instead of a float32 one. The rule itself leaves the operand
-    as it arrives (the binder converts it); a float32 operand is selected as it is."""
-    return list(invars), params
+    cross-entropy); not a policy category. Its :meth:`bind` takes a half-precision operand
+    through a custom JVP: the result is selected from the operand's float32 conversion (the
+    very value the other float32 readers of the operand convert to, so XLA's excess precision
+    cannot give the two paths different roundings), but the tangent is selected in half
+    precision and converted after, so the backward pass scatters a half-precision cotangent,
+    of the operand's size, that XLA folds into the operand's other cotangents, instead of a
+    float32 one. The cast itself leaves the operand as it arrives (the binding converts it);
+    a float32 operand is selected as it is."""
+
+    role: Role = "select_float32"
+    name = "select_in_float32"
+
+    def cast(self, compute_dtype, original_dtypes, invars, params, free) -> Cast:
+        return list(invars), params
+
+    def bind(self, ctx, eqn, arrived, cast, params, free):
+        x = arrived[0]
+        if not _dtypes.is_castable(_dtypes.dtype_of(x)) or _dtypes.dtype_of(x) == _dtypes.FLOAT32:
+            return None  # selected as it is
+        bind = functools.partial(_compat.bind, eqn.primitive, params=params)
+
+        def select(x, *rest):
+            return bind([_dtypes.cast(x, _dtypes.FLOAT32), *rest])[0]
+
+        select.__name__ = select.__qualname__ = f"{eqn.primitive.name}_in_float32"  # names the call in jaxprs
+        select = jax.custom_jvp(select)
+
+        @select.defjvp
+        def _select_jvp(primals, tangents):
+            return select(*primals), _dtypes.cast(bind([tangents[0], *primals[1:]])[0], _dtypes.FLOAT32)
+
+        return [select(x, *cast[1:])]
 
 
-def _bind_select_in_float32(ctx, eqn, arrived, cast, params):
-    x = arrived[0]
-    if not _dtypes.is_castable(_dtypes.dtype_of(x)) or _dtypes.dtype_of(x) == _dtypes.FLOAT32:
-        return None  # selected as it is
-    bind = functools.partial(_compat.bind, eqn.primitive, params=params)
-
-    def select(x, *rest):
-        return bind([_dtypes.cast(x, _dtypes.FLOAT32), *rest])[0]
-
-    select.__name__ = select.__qualname__ = f"{eqn.primitive.name}_in_float32"  # names the call in jaxprs
-    select = jax.custom_jvp(select)
-
-    @select.defjvp
-    def _select_jvp(primals, tangents):
-        return select(*primals), _dtypes.cast(bind([tangents[0], *primals[1:]])[0], _dtypes.FLOAT32)
-
-    return [select(x, *cast[1:])]
+select_in_float32 = _SelectInFloat32()
 
 
-select_in_float32.binder = _bind_select_in_float32  # type: ignore[attr-defined]
-
-
+@_builtin("original")
 def use_original_precision(compute_dtype, original_dtypes, *invars, **params):
     """Every operand back in the dtype it had when the function was traced.
 
@@ -164,6 +267,7 @@ def use_original_precision(compute_dtype, original_dtypes, *invars, **params):
     return out, params
 
 
+@_builtin("widest")
 def use_widest_precision(compute_dtype, original_dtypes, *invars, **params):
     """Mixed float operands promoted to the widest of their current dtypes.
 
@@ -181,6 +285,7 @@ def use_widest_precision(compute_dtype, original_dtypes, *invars, **params):
     return _cast_all(invars, idx, target), params
 
 
+@_builtin("input")
 def use_input_precision(compute_dtype, original_dtypes, *invars, **params):
     """Run in the dtype the operands arrive in; mixed float operands are harmonised.
 
@@ -200,13 +305,14 @@ def use_input_precision(compute_dtype, original_dtypes, *invars, **params):
     idx = _castable_pairs(original_dtypes, invars)
     if len(idx) < 2:
         return list(invars), params
-    free = _free_mask.get()
+    free = _FREE.get()
     computed = [i for i in idx if free is None or not free[i]]
     deciders = computed or idx
     target = _dtypes.widest(_dtypes.dtype_of(invars[i]) for i in deciders)
     return _cast_all(invars, idx, target), params
 
 
+@_builtin("as_is")
 def use_as_is(compute_dtype, original_dtypes, *invars, **params):
     """No casting at all (operands of independent dtypes: sort keys and values, barriers).
 
@@ -239,10 +345,10 @@ def use_precision(dtype: Any) -> Rule:
         return _cast_all(invars, idx, target), _with_preferred(params, target)
 
     rule.__name__ = rule.__qualname__ = f"use_precision({target.name})"
-    rule.casts_only = True  # type: ignore[attr-defined]
-    return rule
+    return _FunctionRule(rule, casts_only=True)
 
 
+@_builtin("convert")
 def convert_element_type_rule(compute_dtype, original_dtypes, *invars, **params):
     """``astype``: a float32 -> float32 conversion (weak type to strong type) follows its
     input's current dtype; an explicit cast to another dtype is kept."""
@@ -265,6 +371,3 @@ CATEGORIES: dict[str, Rule] = {
     "convert": convert_element_type_rule,
 }
 """The rule each category name of a policy file stands for."""
-
-# float8 matmuls (``policies/fp8.toml``): rules with ``compute_like`` and a ``binder``.
-CATEGORIES.update(_fp8.install(use_compute_precision, _free_mask))

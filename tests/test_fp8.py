@@ -340,7 +340,7 @@ def test_saved_residuals_of_fp8_matmuls_are_fp8():
 def _requantize_in_every_checkpoint(monkeypatch):
     """What the rule did before: every operand inside an island requantized (its
     half-precision value saved or recomputed by the island's checkpoint)."""
-    monkeypatch.setattr(_fp8, "_recomputed", lambda var: _fp8._in_checkpoint.get() is not None)
+    monkeypatch.setattr(_fp8, "_recomputed", lambda ctx, var: ctx.checkpoint_saved is not None)
 
 
 def test_attention_output_is_kept_in_float8_only(monkeypatch):

@@ -343,12 +343,12 @@ def _gelu_mlp_f32_results(amp_policy=None, mode: str = "triton") -> list[str]:
 
 def test_gelu_mlp_step_writes_no_float32_activation(monkeypatch):
     """Issue 28: GELU's float32 math stays in registers. The bias gradient is summed apart
-    from the island's backward kernel (``autocast._interpreter._bias_into_float32``), so
+    from the island's backward kernel (``autocast._binding._bias_into_float32``), so
     XLA:GPU fuses the recomputed ``tanh`` into that kernel: no kernel writes a float32 value
     of the hidden activation's size. Before, the ``tanh`` was a kernel of its own with a
     float32 result, read back by the next one."""
     assert _gelu_mlp_f32_results() == []
-    monkeypatch.setattr(autocast._interpreter, "_bias_into_float32", lambda *a: [])
+    monkeypatch.setattr(autocast._binding, "_bias_into_float32", lambda *a: [])
     assert _gelu_mlp_f32_results() != []  # the control: the float32 tanh written out
 
 

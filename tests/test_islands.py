@@ -300,7 +300,7 @@ def test_attention_scores_are_recomputed_with_the_softmax_island(masked, dtype, 
     assert square(f) == [], square(f)
     v, g = jax.jit(jax.value_and_grad(f))(p, x)
     # the lead-in turned off: the scores are saved (the island's input), as before
-    monkeypatch.setattr(autocast._interpreter, "_lead_ins", lambda *a: {})
+    monkeypatch.setattr(autocast._islands, "lead_ins", lambda *a: {})
     saved = autocast.amp(loss, compute_dtype=dtype)
     assert len(square(saved)) >= 1, square(saved)
     v_saved, g_saved = jax.jit(jax.value_and_grad(saved))(p, x)
@@ -418,7 +418,7 @@ def test_bias_gradient_is_summed_from_the_half_cotangent_apart_from_the_island(d
     g32 = jax.grad(_gelu_mlp)(p, x)
     err = _tree_rel(g, g32)
     # before: the bias gradient summed from the float32 cotangent
-    monkeypatch.setattr(autocast._interpreter, "_bias_into_float32", lambda *a: [])
+    monkeypatch.setattr(autocast._binding, "_bias_into_float32", lambda *a: [])
     before = autocast.amp(_gelu_mlp, compute_dtype=dtype)
     before_barriers = _barrier_operands(jax.make_jaxpr(jax.grad(before))(p, x))
     # one barrier more than without the change (JAX's own, e.g. remat3's, in both), on the
