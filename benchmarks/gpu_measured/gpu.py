@@ -32,7 +32,8 @@ test suite runs it). From the repository root::
     python -m benchmarks.gpu_measured.gpu --smoke --out-dir /tmp/gpu-smoke
 
 The files: this one measures and holds the command line; ``benchmarks/models/train_steps.py`` the
-models and systems; ``benchmarks/gpu_modeled/deviceless.py`` the ``--target`` compiles and their
+tasks and systems (the models: ``benchmarks/models/vit.py``, ``benchmarks/models/gpt2.py``);
+``benchmarks/gpu_modeled/deviceless.py`` the ``--target`` compiles and their
 report; ``benchmarks/gpu_modeled/hlo_model.py`` the reading of the compiled HLO (census, roofline model).
 """
 
