@@ -1,0 +1,231 @@
+"""From the softmax back to the ``q . k`` product: the equations on the scores, and what
+they do to them.
+
+:func:`paths` finds the chains of equations that lead from a ``dot_general`` to the
+softmax's input; :func:`replay` walks one forward from the product and reduces it to
+``where(keep, scale * scores + bias, fill)``: a concrete scale, additive biases, boolean
+masks with their fill values, and the axis map of the softmax's input. Anything else on the
+chain (a traced scale, softcapping, a bias added after a mask, a fill that is not a large
+negative number, ...) ends the replay with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _layout
+from ._graph import Atom, Graph, Node
+
+# Equations that may sit on the scores between the product and the softmax (whether they
+# are accepted is the replay's decision); the search stops at anything else.
+_SEARCH_UNARY = frozenset(
+    {
+        "convert_element_type",
+        "transpose",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "copy",
+        "copy_p",
+        "neg",
+        "tanh",
+        "stop_gradient",
+        "reduce_precision",
+    }
+)
+_SEARCH_BINARY = frozenset({"mul", "div", "add", "add_any", "sub", "max", "min", "select_n", "clamp"})
+_LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
+_MAX_DEPTH = 24
+
+LARGE_NEGATIVE = -1.0e4
+"""A masked score at or below this gives ``exp(masked - row max) == 0`` exactly (float32
+underflows below -104) for any scores within 9,000 of each other: the same assumption
+``jax.nn.dot_product_attention`` makes with its own fill."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One equation on the chain and which of its operands is the chain."""
+
+    node: int
+    operand: int
+
+
+@dataclass
+class Bias:
+    atom: Atom
+    amap: _layout.AxisMap
+    coef: float
+
+
+@dataclass
+class Where:
+    """``select_n`` on the scores: keep where ``pred`` is ``keep`` (else ``fill``)."""
+
+    pred: Atom
+    amap: _layout.AxisMap
+    keep: bool
+    fill: Any  # NumPy scalar in the scores' dtype at the softmax (updated by later steps)
+
+
+@dataclass
+class Scores:
+    """The chain reduced to ``where(keep, scale * scores + sum(coef * bias), fill)``."""
+
+    amap: _layout.AxisMap
+    dtype: np.dtype
+    scale: float = 1.0
+    biases: list[Bias] = field(default_factory=list)
+    wheres: list[Where] = field(default_factory=list)
+
+
+class Rejected(Exception):
+    """The chain does something the rewrite cannot reproduce (the message says what)."""
+
+
+def uniform(g: Graph, atom: Atom) -> Any | None:
+    """The value of a constant whose elements are all equal, as a NumPy scalar of its dtype
+    (None if it is traced or not uniform)."""
+    if not g.is_const(atom):
+        return None
+    root = atom
+    while (node := g.node_of(root)) is not None and node.name in _LAYOUT:
+        root = node.ins[0]
+    val = np.asarray(g.value(root))
+    if val.size == 0 or not np.all(val == val.reshape(-1)[0]):
+        if not (val.size and np.all(np.isnan(val))):
+            return None
+    return val.reshape(-1)[0]
+
+
+def _size1(g: Graph, atom: Atom) -> bool:
+    return all(d == 1 for d in g.shape(atom))
+
+
+def paths(g: Graph, x: int) -> Iterator[tuple[int, list[Step]]]:
+    """Every ``(dot_general node, steps from its output to x)``, the likeliest first."""
+    yield from _search(g, x, [], 0)
+
+
+def _search(g: Graph, atom: Atom, steps: list[Step], depth: int) -> Iterator[tuple[int, list[Step]]]:
+    node = g.node_of(atom)
+    if node is None or node.opaque or depth > _MAX_DEPTH:
+        return
+    n = g.producer[atom]  # type: ignore[index]
+    if node.name == "dot_general":
+        yield n, steps
+        return
+    if node.name in _SEARCH_UNARY:
+        yield from _search(g, node.ins[0], [Step(n, 0), *steps], depth + 1)
+    elif node.name in _SEARCH_BINARY:
+        for i in _chain_candidates(g, node):
+            yield from _search(g, node.ins[i], [Step(n, i), *steps], depth + 1)
+
+
+def _chain_candidates(g: Graph, node: Node) -> list[int]:
+    first = 1 if node.name in ("select_n", "clamp") else 0
+    cands = [i for i in range(first, len(node.ins)) if not g.is_const(node.ins[i])]
+    # the operand with the scores' shape first; a broadcast (a bias) after
+    out = g.shape(node.outs[0])
+    return sorted(cands, key=lambda i: g.shape(node.ins[i]) != out)
+
+
+def replay(g: Graph, steps: list[Step], product: Node) -> Scores:
+    """Walk ``steps`` forward from the product's output (raises :class:`Rejected`)."""
+    out = product.outs[0]
+    state = Scores(tuple(range(len(g.shape(out)))), np.dtype(g.aval(out).dtype))
+    for step in steps:
+        _apply(g, g.nodes[step.node], step.operand, state)
+    return state
+
+
+def _rescale(state: Scores, factor: Any) -> None:
+    state.scale *= float(factor)
+    for b in state.biases:
+        b.coef *= float(factor)
+    with np.errstate(all="ignore"):
+        for w in state.wheres:
+            w.fill = (np.asarray(w.fill, state.dtype) * np.asarray(factor, state.dtype)).astype(state.dtype)
+
+
+def _apply(g: Graph, node: Node, i: int, state: Scores) -> None:
+    name = node.name
+    chain = node.ins[i]
+    shape_in, shape_out = g.shape(chain), g.shape(node.outs[0])
+    if name not in ("transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim") and shape_in != shape_out:
+        raise Rejected(f"`{name}` broadcasts the scores to {list(shape_out)}")
+    if name in ("copy", "copy_p", "reduce_precision"):
+        return
+    if name == "convert_element_type":
+        dtype = np.dtype(node.params["new_dtype"])
+        if not np.issubdtype(dtype, np.floating) and dtype.name not in ("bfloat16", "float16"):
+            raise Rejected(f"the scores are converted to {dtype.name}")
+        with np.errstate(all="ignore"):
+            for w in state.wheres:
+                w.fill = np.asarray(w.fill).astype(dtype)
+        state.dtype = dtype
+        return
+    if name == "transpose":
+        state.amap = _layout.transposed(state.amap, node.params["permutation"])
+        return
+    if name in ("reshape", "squeeze", "expand_dims") or (
+        name == "broadcast_in_dim"
+        and _layout.broadcast_inserts(shape_in, shape_out, node.params["broadcast_dimensions"])
+    ):
+        amap = _layout.reshaped(shape_in, shape_out, state.amap)
+        if amap is None:
+            raise Rejected(f"`{name}` reshapes the scores from {list(shape_in)} to {list(shape_out)}")
+        state.amap = amap
+        return
+    if name in ("mul", "div"):
+        other = node.ins[1 - i]
+        if name == "div" and i == 1:
+            raise Rejected("the scores divide a value")
+        val = uniform(g, other)
+        if val is None:
+            if not g.is_const(other) and _size1(g, other):
+                raise Rejected("a traced scale: the kernel takes a concrete scale")
+            raise Rejected(
+                f"the scores are multiplied by a {'traced' if not g.is_const(other) else 'non-uniform'} tensor"
+            )
+        factor = 1.0 / float(val) if name == "div" else float(val)
+        if not np.isfinite(factor) or factor == 0.0:
+            raise Rejected(f"the scale {factor} is not a finite nonzero number")
+        _rescale(state, factor)
+        return
+    if name in ("add", "add_any", "sub"):
+        if name == "sub" and i == 1:
+            raise Rejected("the scores are negated (subtracted from a value)")
+        other = node.ins[1 - i]
+        sign = -1.0 if name == "sub" else 1.0
+        shift = uniform(g, other)
+        if shift is not None:  # a constant shift: softmax is invariant to it
+            with np.errstate(all="ignore"):
+                for w in state.wheres:
+                    w.fill = (np.asarray(w.fill, state.dtype) + sign * np.asarray(shift, state.dtype)).astype(
+                        state.dtype
+                    )
+            return
+        if state.wheres:
+            raise Rejected("a bias is added after a mask")
+        state.biases.append(Bias(other, state.amap, sign))
+        return
+    if name == "select_n" and len(node.ins) == 3:
+        pred, fill_atom = node.ins[0], node.ins[3 - i]
+        if np.dtype(g.aval(pred).dtype) != np.dtype(bool):
+            raise Rejected("`select_n` on the scores with an integer selector")
+        fill = uniform(g, fill_atom)
+        if fill is None:
+            raise Rejected("the scores are replaced by a traced or non-uniform value where masked")
+        state.wheres.append(Where(pred, state.amap, keep=(i == 2), fill=np.asarray(fill).astype(state.dtype)))
+        return
+    if name == "tanh":
+        raise Rejected("softcapping (tanh on the scores)")
+    if name in ("max", "min", "clamp"):
+        raise Rejected(f"the scores are clipped (`{name}`)")
+    raise Rejected(f"`{name}` on the scores")

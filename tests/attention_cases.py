@@ -1,0 +1,407 @@
+"""Attention idioms and near misses for the recogniser's tests (tests/test_attention_*.py),
+and a small jaxpr evaluator that replaces a match's equations by its extracted call."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autocast import _attention as attention
+from autocast import _compat
+from autocast._attention import MaskKind
+
+B, T, N, H = 2, 8, 2, 16
+SCALE = 1 / np.sqrt(H)
+
+
+def _rand(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _qkv(t: int = T, s: int = T, n: int = N, kv: int | None = None, h: int = H, hv: int | None = None, seed: int = 0):
+    kv = n if kv is None else kv
+    return _rand(B, t, n, h, seed=seed), _rand(B, s, kv, h, seed=seed + 1), _rand(B, s, kv, hv or h, seed=seed + 2)
+
+
+def _causal(t: int = T, s: int = T) -> np.ndarray:
+    return np.tril(np.ones((t, s), bool))
+
+
+def _lengths() -> np.ndarray:
+    return np.array([5, 8], np.int32)
+
+
+# --- the idioms -------------------------------------------------------------------------
+
+
+def einsum_where(q, k, v):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    s = jnp.where(jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)), s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+
+
+def additive_1e9(q, k, v):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    s = s + (1.0 - jnp.tril(jnp.ones((T, T), s.dtype))) * -1e9
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
+
+
+def additive_neg_inf(q, k, v):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    bias = jnp.where(jnp.tril(jnp.ones((T, T), bool)), 0.0, -jnp.inf)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(bias + s), v)
+
+
+def bias_commuted(q, k, v, bias):
+    s = bias + jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
+
+
+def bnth_matmul(q, k, v):  # heads-first layout, q @ k^T, scale by multiplication of the query
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    p = jax.nn.softmax((q * SCALE) @ k.swapaxes(-1, -2), axis=-1)
+    return (p @ v).transpose(0, 2, 1, 3)
+
+
+def softmax_in_jit(q, k, v):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    return jnp.einsum("bnts,bsnh->btnh", jax.jit(jax.nn.softmax)(s), v)
+
+
+def rope(q, k, v):
+    pos = np.arange(T)[:, None] / (10000 ** (np.arange(H // 2) / (H // 2)))
+    cos, sin = (jnp.asarray(np.repeat(f(pos), 2, axis=-1))[None, :, None, :] for f in (np.cos, np.sin))
+
+    def rot(x):
+        x2 = jnp.stack([-x[..., 1::2], x[..., ::2]], axis=-1).reshape(x.shape)
+        return x * cos + x2 * sin
+
+    return einsum_where(rot(q), rot(k), v)
+
+
+def causal_padding(q, k, v, lengths):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    keep = jnp.tril(jnp.ones((T, T), bool))[None, None] & (jnp.arange(T)[None, :] < lengths[:, None])[:, None, None, :]
+    s = jnp.where(keep, s, -1e9)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
+
+
+def traced_mask(q, k, v, mask):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    s = jnp.where(mask[:, None], s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
+
+
+def repeat_kv(q, k, v):
+    g = q.shape[2] // k.shape[2]
+    return einsum_where(q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2))
+
+
+def wrong_axis_key(q, k, v):  # pytorch#195320: k transposed on the wrong axes (N == S)
+    s = jnp.einsum("btnh,bsnh->bnts", q, k.transpose(0, 2, 1, 3)) * SCALE
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
+
+
+# --- near misses ------------------------------------------------------------------------
+
+
+def value_wrong_axis(q, k, v):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    return jnp.einsum("bnts,btnh->bsnh", jax.nn.softmax(s), v)
+
+
+def softmax_query_axis(q, k, v):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-2), v)
+
+
+def scores_twice(q, k, v):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v), jnp.max(s)
+
+
+def probs_returned(q, k, v):
+    p = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE)
+    return jnp.einsum("bnts,bsnh->btnh", p, v), p
+
+
+def dropout(q, k, v):
+    p = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE)
+    keep = jax.random.bernoulli(jax.random.key(0), 0.9, p.shape)
+    return jnp.einsum("bnts,bsnh->btnh", jnp.where(keep, p / 0.9, 0), v)
+
+
+def upper_triangle(q, k, v):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    s = jnp.where(jnp.triu(jnp.ones((T, T), bool)), s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
+
+
+def traced_scale(q, k, v, scale):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
+
+
+def softcap(q, k, v):
+    s = jnp.tanh(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE / 30.0) * 30.0
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
+
+
+def neg_inf_traced(q, k, v, mask):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    s = jnp.where(mask[:, None], s, -jnp.inf)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
+
+
+# --- library idioms (imported lazily: the modules are built when a test asks) --------------
+
+
+def _flax_linen():
+    import flax.linen as nn
+
+    m = nn.MultiHeadDotProductAttention(
+        num_heads=N, qkv_features=N * H, decode=False, dropout_rate=0.0, deterministic=True
+    )
+    x = _rand(B, T, 32, seed=3)
+    params = m.init(jax.random.key(0), x)
+    mask = nn.make_causal_mask(jnp.ones((B, T)))
+    return (lambda p, x: m.apply(p, x, mask=mask)), (params, x)
+
+
+def _flax_nnx():
+    from flax import nnx
+
+    m = nnx.MultiHeadAttention(
+        num_heads=N, in_features=32, qkv_features=N * H, decode=False, dropout_rate=0.0, rngs=nnx.Rngs(0)
+    )
+    graphdef, state = nnx.split(m)
+    mask = nnx.make_causal_mask(jnp.ones((B, T)))
+    return (lambda st, x: nnx.merge(graphdef, st)(x, mask=mask)), (state, _rand(B, T, 32, seed=4))
+
+
+def _equinox(dropout: float = 0.0):
+    import equinox as eqx
+
+    m = eqx.nn.MultiheadAttention(
+        num_heads=N, query_size=32, key=jax.random.key(1), dropout_p=dropout, inference=not dropout
+    )
+    params, static = eqx.partition(m, eqx.is_array)
+    mask = jnp.tril(jnp.ones((T, T), bool))
+
+    def fn(params, x):
+        mod = eqx.combine(params, static)
+        keys = jax.random.split(jax.random.key(2), x.shape[0])
+        return jax.vmap(lambda x, key: mod(x, x, x, mask=mask, key=key))(x, keys)
+
+    return fn, (params, _rand(B, T, 32, seed=5))
+
+
+# --- the cases --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """An idiom: ``make()`` gives ``(fn, args)``; a match is expected with mask ``kind``
+    (and ``expect`` checks more), or a :class:`LeftAlone` whose reason holds ``reason``."""
+
+    name: str
+    make: Callable[[], tuple[Callable, tuple]]
+    kind: MaskKind | None = None
+    reason: str | None = None
+    expect: Callable[[Any], None] | None = None
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _qkv_case(fn, *extra, **shape):
+    return lambda: (fn, (*_qkv(**shape), *extra))
+
+
+def _roles(q=None, k=None, v=None, **attrs):
+    def check(m):
+        for name, want in (("q", q), ("k", k), ("v", v)):
+            if want is not None:
+                assert getattr(m, name).roles == tuple(want), (name, getattr(m, name).roles)
+        for key, want in attrs.items():
+            got = getattr(m, key) if key != "window" else m.mask.window
+            assert got == want if not isinstance(want, float) else np.isclose(got, want), (key, got, want)
+
+    return check
+
+
+def _traced_bool_mask(empty_row: bool = True) -> np.ndarray:
+    mask = np.random.default_rng(7).random((B, T, T)) < 0.7
+    mask[:, :, 0] = True
+    if empty_row:
+        mask[1, 3, :] = False  # a fully masked query row
+    return mask
+
+
+MATCHES = [
+    Case("einsum_where", _qkv_case(einsum_where), MaskKind.CAUSAL, expect=_roles("BTNH", "BSNH", "BSNH", scale=SCALE)),
+    Case("additive_1e9", _qkv_case(additive_1e9), MaskKind.CAUSAL, expect=_roles(scale=SCALE)),
+    Case("additive_neg_inf", _qkv_case(additive_neg_inf), MaskKind.CAUSAL),
+    Case("bias_commuted", _qkv_case(bias_commuted, _rand(B, 1, T, T, seed=9)), MaskKind.BIAS),
+    Case("bnth_matmul", _qkv_case(bnth_matmul), MaskKind.NONE, expect=_roles("BTNH", "BSNH", "BSNH", scale=SCALE)),
+    Case("softmax_in_jit", _qkv_case(softmax_in_jit), MaskKind.NONE),
+    Case(
+        "jaxnn_causal",
+        _qkv_case(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)),
+        MaskKind.CAUSAL,
+        expect=_roles(scale=SCALE, groups=1, kv_heads=N),
+    ),
+    Case(
+        "jaxnn_mask",
+        _qkv_case(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m), _traced_bool_mask()[:, None]),
+        MaskKind.MASK,
+    ),
+    Case(
+        "jaxnn_lengths",
+        _qkv_case(
+            lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, query_seq_lengths=n, key_value_seq_lengths=n),
+            _lengths(),
+        ),
+        MaskKind.KV_LENGTHS | MaskKind.Q_LENGTHS,
+    ),
+    Case(
+        "jaxnn_window",
+        _qkv_case(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(3, 0))),
+        MaskKind.CAUSAL | MaskKind.WINDOW,
+        expect=_roles(window=3),
+    ),
+    Case(
+        "jaxnn_gqa",
+        _qkv_case(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), n=4, kv=2),
+        MaskKind.CAUSAL,
+        expect=_roles("BTNGH", "BSNH", "BSNH", groups=2, kv_heads=2),
+    ),
+    Case(
+        "repeat_kv",
+        _qkv_case(repeat_kv, n=4, kv=2),
+        MaskKind.CAUSAL,
+        expect=_roles("BTNH", "BSNH", "BSNH", groups=2, kv_heads=2),
+    ),
+    Case("flax_linen", _flax_linen, MaskKind.CAUSAL, expect=_roles(scale=SCALE)),
+    Case("flax_nnx", _flax_nnx, MaskKind.CAUSAL, expect=_roles(scale=SCALE)),
+    Case("equinox_vmapped", _equinox, MaskKind.CAUSAL, expect=_roles("BTNH", "BSNH", "BSNH", scale=SCALE)),
+    Case("rope", _qkv_case(rope), MaskKind.CAUSAL),
+    Case(
+        "causal_padding", _qkv_case(causal_padding, np.array([5, 0], np.int32)), MaskKind.CAUSAL | MaskKind.KV_LENGTHS
+    ),
+    Case("fully_masked_rows", _qkv_case(traced_mask, _traced_bool_mask()), MaskKind.MASK),
+    Case("upper_triangle", _qkv_case(upper_triangle), MaskKind.MASK),
+    Case("causal_t_ne_s", _qkv_case(einsum_where, s=12), MaskKind.MASK),
+    Case("cross_t_ne_s", _qkv_case(bnth_matmul, t=8, s=12), MaskKind.NONE),
+    Case("wrong_axis_key", _qkv_case(wrong_axis_key, n=T), MaskKind.NONE, expect=_roles(k="BNSH")),
+]
+
+LEFT_ALONE = [
+    Case("value_wrong_axis", _qkv_case(value_wrong_axis), reason="does not contract the softmax axis"),
+    Case("softmax_query_axis", _qkv_case(softmax_query_axis), reason="does not contract the softmax axis"),
+    Case("scores_twice", _qkv_case(scores_twice), reason="scores are also read outside"),
+    Case("probs_returned", _qkv_case(probs_returned), reason="probabilities are read more than once"),
+    Case("dropout", _qkv_case(dropout), reason="dropout"),
+    Case("equinox_dropout", lambda: _equinox(0.1), reason="dropout"),
+    Case("traced_scale", _qkv_case(traced_scale, np.float32(0.3)), reason="traced scale"),
+    Case("softcap", _qkv_case(softcap), reason="softcapping"),
+    Case("neg_inf_traced", _qkv_case(neg_inf_traced, _traced_bool_mask(False)), reason="-inf fill"),
+    Case("head_dim_12", _qkv_case(einsum_where, h=12), reason="head dimension 12"),
+    Case("mla", _qkv_case(einsum_where, hv=32), reason="differs from v's 32"),
+]
+
+
+# --- tracing and evaluating -------------------------------------------------------------
+
+SOFTMAX_FORMS = ["inline", "custom_jvp"] + (["custom_jvp3"] if _compat.has_flag("custom_jvp3") else [])
+
+
+def _form(form: str) -> contextlib.AbstractContextManager:
+    stack = contextlib.ExitStack()
+    if form != "inline":
+        stack.enter_context(_compat.with_flag("softmax_custom_jvp", True))
+    if form == "custom_jvp3":
+        stack.enter_context(_compat.with_flag("custom_jvp3", True))
+    return stack
+
+
+@dataclass
+class Traced:
+    fn: Callable  # flat leaves -> flat outputs
+    leaves: list[np.ndarray]
+    jaxpr: Any  # closed
+    found: list[Any]
+
+    @property
+    def matches(self) -> list[Any]:
+        return [r for r in self.found if isinstance(r, attention.Match)]
+
+
+@functools.cache
+def made(case: Case) -> tuple[Callable, tuple]:
+    return case.make()
+
+
+@functools.cache
+def traced(case: Case, form: str = "inline", dtype: str = "bfloat16") -> Traced:
+    fn, args = made(case)
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    leaves = [np.asarray(x) for x in leaves]
+
+    def flat(*xs):
+        with _form(form):
+            return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(tree, xs)))
+
+    with _form(form):
+        jaxpr = jax.make_jaxpr(flat)(*leaves)
+    return Traced(flat, leaves, jaxpr, attention.find(jaxpr, compute_dtype=dtype))
+
+
+def evaluate(jaxpr: Any, args: Sequence[Any], matches: Sequence[Any] = (), implementation: str = "xla") -> list[Any]:
+    """``jaxpr`` on ``args``, each match's equations replaced by its call (at the place of
+    its last equation, as amp will emit it)."""
+    open_, consts = _compat.open_and_consts(jaxpr)
+    env = {v: x for v, x, _ in _compat.bind_inputs(open_, consts, args)}
+    at = {max(m.eqns): m for m in matches}
+    skip = {i for m in matches for i in m.eqns}
+
+    def read(v):
+        return v.val if isinstance(v, _compat.Literal) else env[v]
+
+    for i, eqn in enumerate(open_.eqns):
+        if i in at:
+            m = at[i]
+            env.update(zip(m.outputs, attention.call(m, [env[v] for v in m.inputs], implementation=implementation)))
+        if i in skip:
+            continue
+        outs = _compat.bind(eqn.primitive, [read(v) for v in eqn.invars], eqn.params)
+        env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, _compat.DropVar))
+    return [read(v) for v in open_.outvars]
+
+
+def is_float(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def value_and_grads(fn: Callable, leaves: Sequence[Any], cotangent_seed: int = 11) -> list[np.ndarray]:
+    """``fn``'s outputs and its gradients w.r.t. every float leaf (for fixed random output
+    cotangents), all as float32 NumPy arrays."""
+    idx = [i for i, x in enumerate(leaves) if is_float(x)]
+
+    def f(*floats):
+        full = list(leaves)
+        for i, x in zip(idx, floats):
+            full[i] = x
+        return fn(*full)
+
+    outs, vjp = jax.vjp(f, *(leaves[i] for i in idx))
+    cts = [jnp.asarray(_rand(*np.shape(o), seed=cotangent_seed + j), o.dtype) for j, o in enumerate(outs)]
+    grads = vjp(cts)
+    return [jnp.asarray(x, jnp.float32) for x in [*outs, *grads]]
