@@ -23,16 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _compat, _constructs
-from ._higher_order import (
-    _current_dtypes,
-    call_computes_in_float32,
-    checkpoint,
-    checkpoint_pulls,
-    custom_jvp,
-    custom_jvp_pulls,
-    custom_vjp,
-    hi_original,
-)
+from ._custom_derivatives import call_computes_in_float32, custom_jvp, custom_jvp_pulls, custom_vjp
+from ._higher_order import checkpoint, checkpoint_pulls, current_dtypes, hi_original
 from ._interpreter import Context, original_dtypes, transform_jaxpr
 from ._registry import register_higher_order
 
@@ -58,13 +50,15 @@ def _scan3(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, o
     if parts is None:
         return hi_original(ctx, eqn, invals, in_free, scopes)
     body, _ = parts
-    in_dtypes = _current_dtypes(invals, original_dtypes(eqn))
+    in_dtypes = current_dtypes(invals, original_dtypes(eqn))
     free = [False if _compat.is_ref(x) else f for x, f in zip(invals, in_free)]
     new, extra, out_free = transform_jaxpr(ctx, body, in_dtypes, free, scopes, out_float32=out32)
     return _constructs.scan3_bind(eqn, new, extra, invals), out_free
 
 
-@register_higher_order(_compat.call_hi_primitive_p, pulls=_pulls, body=_constructs.narrow_body, float32_call=_float32_call)
+@register_higher_order(
+    _compat.call_hi_primitive_p, pulls=_pulls, body=_constructs.narrow_body, float32_call=_float32_call
+)
 def _call_hi(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
     if _constructs.remat_parts(eqn) is not None:
         return checkpoint(ctx, eqn, invals, in_free, scopes, out32)
