@@ -175,8 +175,11 @@ def _nbytes(x: Any) -> int:
     return int(np.size(x)) * _dtypes.dtype_of(x).itemsize
 
 
-# An island fed by half-precision activations keeps at least twice their bytes in float32
-# (ratio 2: a softmax's exp); an LSTM cell updating a float32 carry about 1.6 times.
+# Derived from the two cases it separates: an island fed by half-precision activations keeps
+# at least twice their bytes in float32 (ratio 2: a softmax's exp of half scores); an LSTM
+# cell updating a float32 carry keeps about 1.6 times its inputs (benchmarks/memory/
+# bench_lstm_scan.py: recomputing it cost a second evaluation for a small saving). 1.75 lies
+# between them.
 RECOMPUTE_RATIO = 1.75
 
 

@@ -230,7 +230,12 @@ def _bias_sums(jaxpr: Any, steps: list) -> frozenset:
     return frozenset(found)
 
 
-# A sum at least this many times smaller than its operand is a statistic (``_statistics``)
+# A sum at least this many times smaller than its operand is a statistic (``_statistics``).
+# Derived, not tuned: a norm's statistics reduce a row of d features to one value (d >= 64 in
+# every model of the tests, the corpus and the benchmarks), a softmax's sum a row of keys;
+# a sum over a small axis (heads, a batch of 2-4) is not a statistic and is recomputed. Any
+# value between those (4 < x < 64) gives the same plans on all of them; 8 is the smallest
+# power of two with a factor of 2 from both ends.
 _STATISTIC_FRACTION = 8
 
 
@@ -464,6 +469,12 @@ def _islands(
 
 # A float32-only call stays out of an island whose result a matmul reads into an output this
 # many times larger than the call's input (an LM head's logits after the final layer norm).
+# Measured (see ``_widens``), with its known limit: matmuls inside a transformer block read a
+# norm into outputs 3x (QKV), 4x (MLP) and up to 8x (Gemma's 16384-wide GeGLU over 2048)
+# wider, which join; GPT-2's head is 65x (50257 / 768), Gemma's 125x. A head narrower than
+# 8x its width (Llama-2-7B's 32000 / 4096 = 7.8x) joins its island: its logits-sized buffer
+# then shows in the GPU peak as it did for GPT-2 before this threshold (16.7 -> 19.9 GiB at
+# batch x4, H100 target, 2026-11-25).
 _WIDENING = 8
 
 
