@@ -60,7 +60,7 @@ def test_a_killed_run_resumes_bit_for_bit_in_both_modes(tmp_path):
 
 def _state():
     params = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(4, jnp.bfloat16)}
-    optim = autocast.half_state(optax.adamw(1e-3))
+    optim = autocast.optim.half_state(optax.adamw(1e-3))
     return {
         "params": params,
         "opt_state": optim.init(params),
@@ -123,14 +123,14 @@ def test_mismatched_checkpoints_name_the_leaf_and_what_differs(tmp_path):
         match=r"leaf `\['params'\]\['w'\]` is float32\[3, 4\] in the checkpoint .* but bfloat16\[3, 4\] in `like`; nothing is cast.*to_half_params",
     ):
         autocast.restore_train_state(
-            tmp_path / "c", {**_state(), "params": autocast.to_half_params(_state()["params"])}
+            tmp_path / "c", {**_state(), "params": autocast.optim.to_half_params(_state()["params"])}
         )
     with pytest.raises(ValueError, match=r"leaf `\['params'\]\['w'\]` is float32\[3, 4\] .* float32\[4, 3\]"):
         autocast.restore_train_state(
             tmp_path / "c", {**_state(), "params": {"w": jnp.zeros((4, 3)), "b": jnp.ones(4, jnp.bfloat16)}}
         )
     # float32-master state into a bf16+SR template: another structure, with the conversion hint
-    plain = {**_state(), "opt_state": autocast.to_float32_opt_state(_state()["opt_state"])}
+    plain = {**_state(), "opt_state": autocast.optim.to_float32_opt_state(_state()["opt_state"])}
     with pytest.raises(
         ValueError,
         match=r"another structure than `like`.*in the checkpoint but not in `like`: \['opt_state'\]\.inner.*to_float32_opt_state",
@@ -152,15 +152,15 @@ def test_conversion_between_modes_through_a_checkpoint(tmp_path):
     autocast.save_train_state(tmp_path / "f32", f32)
     restored = autocast.restore_train_state(tmp_path / "f32", like=f32)
     half = {
-        "params": autocast.to_half_params(restored["params"]),
-        "opt_state": autocast.to_half_opt_state(restored["opt_state"], jax.random.key(1)),
+        "params": autocast.optim.to_half_params(restored["params"]),
+        "opt_state": autocast.optim.to_half_opt_state(restored["opt_state"], jax.random.key(1)),
     }
-    assert jax.tree.structure(half["opt_state"]) == jax.tree.structure(autocast.half_state(inner).init(params))
+    assert jax.tree.structure(half["opt_state"]) == jax.tree.structure(autocast.optim.half_state(inner).init(params))
     autocast.save_train_state(tmp_path / "half", half)
     back = autocast.restore_train_state(tmp_path / "half", like=half)
     f32_again = {
-        "params": autocast.to_float32_params(back["params"]),
-        "opt_state": autocast.to_float32_opt_state(back["opt_state"]),
+        "params": autocast.optim.to_float32_params(back["params"]),
+        "opt_state": autocast.optim.to_float32_opt_state(back["opt_state"]),
     }
     assert jax.tree.structure(f32_again) == jax.tree.structure(f32)
     np.testing.assert_array_equal(f32_again["params"]["w"], params["w"].astype(jnp.bfloat16).astype(jnp.float32))

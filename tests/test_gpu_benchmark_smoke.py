@@ -103,7 +103,7 @@ def test_bf16_sr_system_stores_half_parameters_and_moments():
     opt = optax.adamw(1e-2)
     system = gpu.build_system("autocast-bf16-sr", task, static, opt)
     stored, opt_state = system.init(params, opt)
-    assert isinstance(opt_state, autocast.HalfOptState)
+    assert isinstance(opt_state, autocast.optim.HalfOptState)
     floats = lambda t: [x for x in jax.tree_util.tree_leaves(t) if jnp.issubdtype(x.dtype, jnp.floating)]  # noqa: E731
     assert {x.dtype for x in floats(stored)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in floats(opt_state.inner) if x.ndim} == {jnp.dtype(jnp.bfloat16)}

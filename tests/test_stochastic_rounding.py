@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from autocast import stochastic_round
+from autocast.optim import stochastic_round
 
 HALF = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 KEY = jax.random.key(0)
