@@ -14,6 +14,7 @@ import fnmatch
 import functools
 import importlib.resources
 import os
+import pathlib
 import tomllib
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -106,21 +107,83 @@ def _primitives_by_name() -> dict[str, list[_compat.Primitive]]:
     return _compat.discover_primitives()
 
 
-def _read_table(source: str | os.PathLike) -> tuple[dict[str, Any], str]:
-    if isinstance(source, str) and os.sep not in source and not source.endswith(".toml"):
-        resource = importlib.resources.files("autocast.policies") / f"{source}.toml"
+_SHIPPED = "autocast.policies"
+_TOP_LEVEL = ("schema", "extends", "name", "description", "fallback", "primitives", "scopes")
+
+
+def _shipped_names() -> list[str]:
+    return sorted(p.name[:-5] for p in importlib.resources.files(_SHIPPED).iterdir() if p.name.endswith(".toml"))
+
+
+def _is_name(source: str | os.PathLike) -> bool:
+    """Whether ``source`` names a shipped table (``"default"``) rather than a file."""
+    return isinstance(source, str) and "/" not in source and os.sep not in source and not source.endswith(".toml")
+
+
+def _read_table(source: str | os.PathLike, folder: Any = None) -> tuple[dict[str, Any], str, Any, str]:
+    """(table, origin, folder, key) of a shipped table's name or a file's path (relative to
+    ``folder`` when given): ``folder`` is where its own ``extends`` paths start from, ``key``
+    identifies the file (to find cycles)."""
+    if _is_name(source):
+        resource = importlib.resources.files(_SHIPPED) / f"{source}.toml"
         if not resource.is_file():
-            shipped = sorted(
-                p.name[:-5]
-                for p in importlib.resources.files("autocast.policies").iterdir()
-                if p.name.endswith(".toml")
-            )
             raise ValueError(
-                f"policy {source!r} is not a shipped policy; shipped: {shipped}, or pass a path to a .toml file."
+                f"policy {source!r} is not a shipped policy; shipped: {_shipped_names()}, or pass a path to a .toml file."
             )
-        return tomllib.loads(resource.read_text()), source
-    with open(source, "rb") as f:
-        return tomllib.load(f), os.fspath(source)
+        return tomllib.loads(resource.read_text()), str(source), importlib.resources.files(_SHIPPED), str(source)
+    path = pathlib.Path(source) if folder is None else folder / os.fspath(source)
+    with path.open("rb") as f:
+        table = tomllib.load(f)
+    origin = os.fspath(source) if folder is None else str(path)
+    return table, origin, getattr(path, "parent", folder), os.path.realpath(str(path))
+
+
+def _resolved_table(
+    source: str | os.PathLike, folder: Any = None, chain: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], str]:
+    """The table of ``source`` with its ``extends`` chain applied (see :func:`_merge`), and
+    its origin."""
+    table, origin, here, key = _read_table(source, folder)
+    if key in chain:
+        cycle = " -> ".join([*chain[chain.index(key) :], key])
+        raise ValueError(f"policy {origin}: 'extends' makes a cycle: {cycle}.")
+    unknown = sorted(set(table) - set(_TOP_LEVEL))
+    if unknown:
+        raise ValueError(f"policy {origin}: unknown key(s) {unknown}; allowed: {list(_TOP_LEVEL)}.")
+    table_categories(table, origin)
+    base_ref = table.get("extends")
+    if base_ref is None:
+        return table, origin
+    allowed = f"use a shipped policy's name ({_shipped_names()}) or a .toml path relative to this file"
+    if not isinstance(base_ref, str) or not base_ref:
+        raise ValueError(f"policy {origin}: extends = {base_ref!r} is not a name or a path; {allowed}.")
+    if _is_name(base_ref) and base_ref not in _shipped_names():
+        raise ValueError(f"policy {origin}: extends = {base_ref!r} is not a shipped policy; {allowed}.")
+    if not _is_name(base_ref) and not (here / base_ref).is_file():
+        raise ValueError(f"policy {origin}: extends = {base_ref!r}: no such file {str(here / base_ref)!r}; {allowed}.")
+    base, _ = _resolved_table(base_ref, None if _is_name(base_ref) else here, (*chain, key))
+    return _merge(base, table), origin
+
+
+def _merge(base: Mapping[str, Any], table: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` (a resolved table) extended by ``table``: each primitive ``table`` lists
+    moves into its category (out of the base's), its scopes are set over the base's, its
+    ``fallback`` and ``description`` replace the base's; ``name`` is its own."""
+    moved = {n for names in table.get("primitives", {}).values() for n in names}
+    prims = {cat: [n for n in names if n not in moved] for cat, names in base.get("primitives", {}).items()}
+    for cat, names in table.get("primitives", {}).items():
+        prims[cat] = [*prims.get(cat, []), *names]
+    out = {
+        "schema": 1,
+        "fallback": table.get("fallback", base.get("fallback", "original")),
+        "primitives": {cat: names for cat, names in prims.items() if names},
+        "scopes": {**base.get("scopes", {}), **table.get("scopes", {})},
+    }
+    for key in ("name", "description"):
+        value = table.get(key, base.get(key) if key == "description" else None)
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def table_categories(table: Mapping[str, Any], origin: str) -> tuple[dict[str, list[str]], dict[str, str], str]:
@@ -129,6 +192,7 @@ def table_categories(table: Mapping[str, Any], origin: str) -> tuple[dict[str, l
         raise ValueError(f"policy {origin}: 'schema = 1' is required, got {table.get('schema')!r}.")
     known = set(CATEGORIES) | {"recurse"}
     prims = table.get("primitives", {})
+    seen: dict[str, str] = {}
     for category, names in prims.items():
         if category not in known:
             raise ValueError(
@@ -136,6 +200,13 @@ def table_categories(table: Mapping[str, Any], origin: str) -> tuple[dict[str, l
             )
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ValueError(f"policy {origin}: [primitives].{category} must be a list of primitive names.")
+        for n in names:
+            if n in seen:
+                raise ValueError(
+                    f"policy {origin}: {n!r} is listed in both [primitives].{seen[n]} and .{category}; "
+                    "a primitive has one category."
+                )
+            seen[n] = category
     scopes = table.get("scopes", {})
     for scope, category in scopes.items():
         if category not in CATEGORIES:
@@ -144,19 +215,19 @@ def table_categories(table: Mapping[str, Any], origin: str) -> tuple[dict[str, l
             )
     fallback = table.get("fallback", "original")
     if fallback not in CATEGORIES:
-        raise ValueError(
-            f"policy {origin}: fallback {fallback!r} is not a category; allowed: {sorted(CATEGORIES)}."
-        )
+        raise ValueError(f"policy {origin}: fallback {fallback!r} is not a category; allowed: {sorted(CATEGORIES)}.")
     return prims, scopes, fallback
 
 
 def load_policy(source: str | os.PathLike = "default") -> AmpPolicy:
-    """Load a policy table: a shipped one by name (``"default"``, ``"matmul_only"``) or a
-    TOML file by path. See ``policies/README.md`` for the format.
+    """Load a policy table: a shipped one by name (``"default"``, ``"matmul_only"``,
+    ``"fp8"``) or a TOML file by path. See ``policies/README.md`` for the format; a table
+    may ``extends`` another (a shipped name or a path relative to its file) and list only
+    its differences.
 
     Rules registered with :func:`register_rule` take precedence over the table.
 
-    **Arguments:** `name_or_path`: `"default"`, `"matmul_only"`, or the path of a TOML file.
+    **Arguments:** `source`: `"default"`, `"matmul_only"`, `"fp8"`, or the path of a TOML file.
 
     **Returns:** an `AmpPolicy`.
 
@@ -165,7 +236,7 @@ def load_policy(source: str | os.PathLike = "default") -> AmpPolicy:
         policy = autocast.load_policy("matmul_only")
         loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
     """
-    table, origin = _read_table(source)
+    table, origin = _resolved_table(source)
     prims, scopes, fallback = table_categories(table, origin)
     by_name = _primitives_by_name()
     rules: dict[PolicyKey, _rules.Rule] = {}

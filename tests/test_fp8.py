@@ -9,6 +9,7 @@ dequantized operands in float64. XLA's convert may round a value one fp8 step aw
 from __future__ import annotations
 
 import contextlib
+import json
 import tomllib
 from pathlib import Path
 
@@ -475,17 +476,32 @@ def test_fp8_any_category_in_a_policy_file(tmp_path):
     assert fwd.count(("float8_e4m3fn", "float8_e4m3fn")) == 6, fwd
 
 
-def test_fp8_policy_is_the_default_policy_but_dot_general():
-    def load(name):
-        return tomllib.loads((ROOT / "policies" / f"{name}.toml").read_text())
-
-    default, fp8 = load("default"), load("fp8")
-    assert fp8["primitives"]["fp8"] == ["dot_general"]
-    assert fp8["primitives"]["compute"] == [n for n in default["primitives"]["compute"] if n != "dot_general"]
-    for key in ("float32", "input", "as_is", "original", "convert", "recurse"):
-        assert fp8["primitives"][key] == default["primitives"][key], key
-    assert fp8["scopes"] == default["scopes"] and fp8["fallback"] == default["fallback"]
-    assert not FP8.unresolved or set(FP8.unresolved) == set(autocast.default_amp_policy.unresolved)
+def test_fp8_policy_is_the_default_policy_but_dot_general(tmp_path):
+    """fp8.toml lists only its difference (``extends = "default"``). Resolved, it equals,
+    rule by rule for every primitive JAX defines, every scope and the fallback, a complete
+    table written here without ``extends``: default.toml with dot_general moved to "fp8"."""
+    raw = tomllib.loads((ROOT / "policies" / "fp8.toml").read_text())
+    assert raw["extends"] == "default" and raw["primitives"] == {"fp8": ["dot_general"]}
+    default_table = tomllib.loads((ROOT / "policies" / "default.toml").read_text())
+    lines = ["schema = 1", f"fallback = {json.dumps(default_table['fallback'])}", "[primitives]"]
+    for category, names in default_table["primitives"].items():
+        lines.append(f"{category} = {json.dumps([n for n in names if n != 'dot_general'])}")
+    lines += ['fp8 = ["dot_general"]', "[scopes]"]
+    lines += [f"{json.dumps(scope)} = {json.dumps(cat)}" for scope, cat in default_table["scopes"].items()]
+    (tmp_path / "complete.toml").write_text("\n".join(lines) + "\n")
+    want, default = autocast.load_policy(tmp_path / "complete.toml"), autocast.load_policy("default")
+    fp8 = autocast.load_policy("fp8")
+    assert fp8.name == "fp8" and set(fp8) == set(want) == set(default)
+    primitives = [p for prims in _compat.discover_primitives().values() for p in prims]
+    assert len(primitives) > 200
+    for prim in primitives:
+        assert fp8.get(prim) is want.get(prim), prim.name
+        if prim is not lax.dot_general_p:
+            assert fp8.get(prim) is default.get(prim), prim.name
+    assert fp8[lax.dot_general_p] is not default[lax.dot_general_p]
+    for key in [k for k in default if isinstance(k, str)]:  # scopes and "amp_default"
+        assert fp8[key] is want[key] is default[key], key
+    assert fp8.unresolved == want.unresolved == default.unresolved
 
 
 def test_forward_mode_raises_clearly():

@@ -288,3 +288,96 @@ def test_library_module_scopes_select_rules():
     keep_head = autocast.extend_policy({"head": autocast.use_original_precision})
     counts = compute_op_dtypes(amp(net.apply, amp_policy=keep_head), params, jnp.ones((2, 4)))
     assert counts == {("dot_general", "float16", False): 1, ("dot_general", "float32", False): 1}
+
+
+# --- extends: a policy file that lists only its difference from another -------------------
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_a_file_extending_default_moves_the_primitives_it_names(tmp_path):
+    mine = _write(
+        tmp_path / "mine.toml",
+        'schema = 1\nextends = "default"\n[primitives]\nfloat32 = ["tanh"]\nas_is = ["exp"]\n'
+        '[scopes]\n"head" = "float32"\n',
+    )
+    policy, default = autocast.load_policy(mine), autocast.default_amp_policy
+    assert policy[jax.lax.tanh_p] is autocast.use_float32_precision  # input in the default table
+    assert policy[jax.lax.exp_p] is autocast.use_as_is  # float32 in the default table
+    assert policy["head"] is autocast.use_float32_precision
+    assert policy.name == str(mine)  # its own name: the file's path when it has none
+    # every other primitive, scope and the fallback: the default policy's rule
+    for prims in _compat.discover_primitives().values():
+        for prim in prims:
+            if prim not in (jax.lax.tanh_p, jax.lax.exp_p):
+                assert policy.get(prim) is default.get(prim), prim.name
+    assert policy["amp_stop"] is default["amp_stop"] and policy["amp_default"] is default["amp_default"]
+    assert policy.unresolved == default.unresolved
+
+    # what amp does with it: tanh's operand in float32 where the default keeps it half
+    def f(w, x):
+        return (jnp.tanh(x @ w) @ w).sum()
+
+    def tanh_operands(p):
+        jaxpr = jax.make_jaxpr(amp(f, amp_policy=p))(jnp.ones((3, 3)), jnp.ones((2, 3)))
+        return [operand_dtypes(e) for e, _ in walk(jaxpr) if e.primitive.name == "tanh"]
+
+    assert tanh_operands(default) == [("float16",)] and tanh_operands(policy) == [("float32",)]
+
+
+def test_extends_a_relative_path_chain_and_overrides(tmp_path):
+    (tmp_path / "base").mkdir()
+    _write(
+        tmp_path / "base" / "half.toml",
+        'schema = 1\nextends = "matmul_only"\nname = "half"\ndescription = "base"\n'
+        '[primitives]\ninput = ["add", "tanh"]\n[scopes]\n"blk" = "float32"\n',
+    )
+    top = _write(
+        tmp_path / "top.toml",
+        'schema = 1\nextends = "base/half.toml"\nfallback = "input"\nname = "top"\n'
+        '[primitives]\nfloat32 = ["add"]\n[scopes]\n"blk" = "compute"\n"out" = "original"\n',
+    )
+    policy = autocast.load_policy(top)
+    assert policy.name == "top"
+    assert policy[jax.lax.add_p] is autocast.use_float32_precision  # moved out of the base's input
+    assert policy[jax.lax.tanh_p] is autocast.use_input_precision  # from half.toml
+    assert policy[jax.lax.dot_general_p] is autocast.use_compute_precision  # from matmul_only
+    assert jax.lax.exp_p not in policy  # matmul_only does not name it
+    assert policy["amp_default"] is autocast.use_input_precision  # fallback overridden
+    assert policy["blk"] is autocast.use_compute_precision and policy["out"] is autocast.use_original_precision
+    assert policy["amp_stop"] is autocast.use_original_precision  # matmul_only's scope, kept
+    assert autocast.load_policy(tmp_path / "base" / "half.toml")["amp_default"] is autocast.use_original_precision
+
+
+def test_extends_errors_are_clear(tmp_path):
+    a = _write(tmp_path / "a.toml", 'schema = 1\nextends = "b.toml"\n')
+    _write(tmp_path / "b.toml", 'schema = 1\nextends = "a.toml"\n')
+    with pytest.raises(ValueError, match=r"'extends' makes a cycle: .*a\.toml -> .*b\.toml -> .*a\.toml"):
+        autocast.load_policy(a)
+    itself = _write(tmp_path / "self.toml", 'schema = 1\nextends = "self.toml"\n')
+    with pytest.raises(ValueError, match="'extends' makes a cycle"):
+        autocast.load_policy(itself)
+    typo = _write(tmp_path / "typo.toml", 'schema = 1\nextends = "defualt"\n')
+    with pytest.raises(ValueError, match=r"extends = 'defualt' is not a shipped policy; .*\['default', 'fp8'"):
+        autocast.load_policy(typo)
+    missing = _write(tmp_path / "missing.toml", 'schema = 1\nextends = "nowhere/base.toml"\n')
+    with pytest.raises(ValueError, match=r"extends = 'nowhere/base.toml': no such file .*nowhere/base\.toml"):
+        autocast.load_policy(missing)
+    not_str = _write(tmp_path / "n.toml", "schema = 1\nextends = 3\n")
+    with pytest.raises(ValueError, match="extends = 3 is not a name or a path"):
+        autocast.load_policy(not_str)
+    misspelt_key = _write(tmp_path / "k.toml", 'schema = 1\nextend = "default"\n')
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['extend'\]; allowed: .*'extends'"):
+        autocast.load_policy(misspelt_key)
+    twice = _write(
+        tmp_path / "t.toml", 'schema = 1\nextends = "default"\n[primitives]\ninput = ["exp"]\nas_is = ["exp"]\n'
+    )
+    with pytest.raises(ValueError, match=r"'exp' is listed in both \[primitives\]\.input and \.as_is"):
+        autocast.load_policy(twice)
+    bad_base = _write(tmp_path / "bad_base.toml", 'schema = 1\n[primitives]\nfast = ["add"]\n')
+    on_bad = _write(tmp_path / "on_bad.toml", 'schema = 1\nextends = "bad_base.toml"\n')
+    with pytest.raises(ValueError, match=r"bad_base\.toml: unknown category 'fast'"):
+        autocast.load_policy(on_bad)
