@@ -1,30 +1,31 @@
-"""Save and restore a whole train state with Orbax, checked leaf by leaf against a template.
+"""Save and restore a whole train state: Orbax for the arrays, a hashed manifest for the rest.
 
 A train state is any pytree: the model or parameters (in their dtypes), the optimizer
-state (a `HalfOptState` included), a loss-scaler state, PRNG keys, a step counter. The
-checkpoint is an Orbax composite of two items: `arrays` (every array leaf, PRNG keys as
-their key data) and `meta` (JSON: each leaf's path, kind, dtype, shape and CRC-32, and the
-values of Python-number leaves). `restore_train_state(path, like)` compares that record
-with `like` before reading any array, and the CRC-32s after, so a checkpoint of another
-model, mode or dtype raises an error naming the leaf, and a damaged one an error naming
-the checkpoint; nothing is cast silently.
+state (a `HalfOptState` included), a loss-scaler state, PRNG keys, a step counter. Each
+leaf gets a record: its pytree path and kind; for arrays the dtype, shape and SHA-256 of
+the data; for PRNG keys the implementation (the key data are saved as an array); for
+Python numbers and strings the value. `restore_train_state` compares the records with the
+template `like` (concrete or shape-only) before reading any array, and checks every hash
+(`_checkpoint_store`: the manifest, the atomic replace, the files), so a checkpoint of
+another model, mode or dtype raises an error naming the leaf, a damaged one an error
+naming the file and the leaf, and nothing is cast silently.
 
 Sharp edges:
 
-- Non-array leaves that are not Python numbers (activation functions, strings) and the
+- Non-array leaves other than Python numbers and strings (activation functions) and the
   static configuration of modules (a scaler's `patience`) are not saved: they come from
   `like`.
 - Switching modes (float32 master <-> bfloat16 + stochastic rounding) is explicit:
   restore with a `like` of the saved mode, then convert with `to_half_params` /
   `to_half_opt_state` or `to_float32_params` / `to_float32_opt_state`.
-- Checksums are computed for arrays that this process holds entirely (not for arrays
-  sharded across processes).
+- Arrays sharded across processes are hashed file by file only (no process holds their
+  data); arrays one process holds entirely, or a replica of, are also hashed leaf by leaf.
 """
 
 from __future__ import annotations
 
 import os
-import zlib
+import shutil
 from typing import Any
 
 import equinox as eqx
@@ -32,78 +33,129 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _checkpoint_store as _store
+from ._checkpoint_store import CheckpointError
+
 __all__ = ["restore_train_state", "save_train_state"]
 
-_FORMAT = "autocast-train-state"
-_VERSION = 1
+_PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 _CONVERT_HINT = (
     "to continue a float32-master checkpoint in bfloat16 (or back), restore it with a `like` "
-    "of the saved mode, then convert with autocast.to_half_params / to_half_opt_state "
+    "of the saved mode, then convert with autocast.optim.to_half_params / to_half_opt_state "
     "(or to_float32_params / to_float32_opt_state)"
 )
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, or does not match the template it is restored into."""
-
-
-def _orbax() -> Any:
-    try:
-        import orbax.checkpoint as ocp
-    except ImportError as e:  # an optional dependency
-        raise ImportError(
-            "save_train_state / restore_train_state need orbax-checkpoint: pip install 'jax-autocast[checkpoint]'."
-        ) from e
-    return ocp
+# --- records of leaves -------------------------------------------------------------------
 
 
 def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return isinstance(x, jax.Array | jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_impl(x: Any) -> Any:
+    if isinstance(x, jax.Array):
+        return jax.random.key_impl(x)
+    found = []  # a shape-only key: its implementation is static, read while tracing
+    jax.eval_shape(lambda k: found.append(jax.random.key_impl(k)), jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return found[0]
 
 
 def _describe(path: Any, x: Any) -> dict[str, Any]:
-    """The record of one leaf: its path, kind and, for arrays, dtype and shape."""
+    """The record of one leaf (of a state or a template): its path, kind, dtype and shape."""
     entry: dict[str, Any] = {"path": jax.tree_util.keystr(path)}
     if _is_key(x):
-        entry.update(kind="key", impl=str(jax.random.key_impl(x)), shape=list(x.shape))
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        entry.update(
+            kind="key",
+            impl=str(_key_impl(x)),
+            shape=list(x.shape),
+            data_dtype=np.dtype(data.dtype).name,
+            data_shape=list(data.shape),
+        )
     elif eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
         entry.update(kind="array", dtype=np.dtype(x.dtype).name, shape=list(x.shape))
-    elif isinstance(x, bool | int | float):
+    elif type(x) in _PYTHON_TYPES.values():
         entry.update(kind="python", type=type(x).__name__)
     else:
         entry.update(kind="static", type=type(x).__name__)
     return entry
 
 
-def _what(entry: dict[str, Any]) -> str:
-    if entry["kind"] == "key":
-        return f"a PRNG key array ({entry['impl']}) of shape {tuple(entry['shape'])}"
-    if entry["kind"] == "array":
-        return f"{entry['dtype']}{list(entry['shape'])}"
-    return f"a Python {entry['type']}"
-
-
-def _crc(x: Any) -> int | None:
+def _host_bytes(x: Any) -> bytes | None:
+    """The bytes of an array this process holds entirely (or a replica of); else None."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return None
-    return zlib.crc32(np.ascontiguousarray(np.asarray(x)).tobytes())
+        if not x.is_fully_replicated:
+            return None
+        x = x.addressable_shards[0].data
+    return np.ascontiguousarray(np.asarray(x)).tobytes()
+
+
+def _records(state: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every leaf's sealed record, and the arrays to save (keyed `leaf_<index>`)."""
+    records, arrays = [], {}
+    for i, (p, x) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
+        if isinstance(x, jax.core.Tracer):
+            raise TypeError(
+                f"save_train_state: leaf `{jax.tree_util.keystr(p)}` of `state` is a traced value ({x}); "
+                "call save_train_state outside jit/grad/vmap, on concrete arrays."
+            )
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"save_train_state: leaf `{jax.tree_util.keystr(p)}` of `state` is a shape-only "
+                f"{x}; `state` must hold the arrays themselves (shape-only trees are for `like`)."
+            )
+        entry = _describe(p, x)
+        if entry["kind"] in ("array", "key"):
+            data = jax.random.key_data(x) if entry["kind"] == "key" else x
+            arrays[f"leaf_{i}"] = data
+            raw = _host_bytes(data)
+            entry["data_sha256"] = None if raw is None else _store.sha(raw)
+        elif entry["kind"] == "python":
+            entry["value"] = x
+        records.append(_store.sealed(entry))
+    return records, arrays
+
+
+# --- save ----------------------------------------------------------------------------------
+
+
+def _as_path(path: Any, fn: str) -> str:
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(
+            f"{fn}: `path` must be a str or os.PathLike directory path, got {type(path).__name__} {path!r}."
+        )
+    if not os.fspath(path):
+        raise ValueError(f"{fn}: `path` is empty; pass the checkpoint directory.")
+    path = os.path.abspath(os.fspath(path))
+    if os.path.basename(path) in ("", ".", ".."):
+        raise ValueError(f"{fn}: `path` {path!r} names no directory to hold a checkpoint.")
+    return path
 
 
 def save_train_state(path: str | os.PathLike, state: Any, *, overwrite: bool = False) -> None:
-    """Save a whole train state (any pytree) to the directory `path` with Orbax.
+    """Save a whole train state (any pytree) to the directory `path`, atomically.
 
-    Array leaves keep their dtypes (bfloat16 parameters stay bfloat16), PRNG keys are
-    saved as their key data and implementation, Python numbers as values, and every leaf's
-    path, dtype, shape and CRC-32 are recorded for `restore_train_state` to check. The save
-    is atomic: Orbax writes to a temporary directory and renames it when complete.
+    Array leaves keep their dtypes (bfloat16 parameters stay bfloat16) and are written by
+    Orbax; PRNG keys (typed or legacy uint32) are saved as their key data and
+    implementation; Python numbers and strings as values. `manifest.json`, written last,
+    records every leaf's path, dtype and shape with SHA-256 hashes of every array, every
+    Python value and every file, and is itself hashed. The new checkpoint is written to a
+    sibling temporary directory, fsynced, and moved to `path` by renames: a process killed
+    at any moment leaves the old or the new checkpoint, never neither, and the next save
+    removes what it left.
 
     **Arguments:**
 
     - `path`: the checkpoint directory (created; it must not exist unless `overwrite`).
     - `state`: the train state, e.g. `(model, opt_state, scaler_state, key, step)`.
-    - `overwrite`: replace an existing checkpoint at `path`.
+    - `overwrite`: replace an existing checkpoint at `path` (a directory that is not a
+      checkpoint is never replaced).
 
     **Returns:** None.
+
+    **Raises:** `FileExistsError` if `path` exists (and `overwrite` is False, or it is not a
+    checkpoint); `TypeError` for a bad argument or a traced or shape-only leaf in `state`.
 
     Example:
 
@@ -117,53 +169,73 @@ def save_train_state(path: str | os.PathLike, state: Any, *, overwrite: bool = F
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), restored["params"], state["params"]))
     ```
     """
-    ocp = _orbax()
-    path = os.path.abspath(os.fspath(path))
-    if os.path.exists(path) and not overwrite:
-        raise FileExistsError(f"save_train_state: `path` {path!r} exists; pass overwrite=True to replace it.")
-    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    arrays: dict[str, Any] = {}
-    records = []
-    for i, (p, x) in enumerate(leaves):
-        entry = _describe(p, x)
-        if entry["kind"] in ("array", "key"):
-            data = jax.random.key_data(x) if entry["kind"] == "key" else jnp.asarray(x)
-            arrays[f"leaf_{i}"] = data
-            entry["crc32"] = _crc(data)
-        elif entry["kind"] == "python":
-            entry["value"] = x
-        records.append(entry)
-    meta = {"format": _FORMAT, "version": _VERSION, "leaves": records}
-    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-    checkpointer.save(
-        path,
-        args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
-        force=overwrite,
-    )
-
-
-def _read_meta(ocp: Any, path: str) -> dict[str, Any]:
+    path = _as_path(path, "save_train_state")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"save_train_state: `overwrite` must be True or False, got {overwrite!r}.")
+    existing = _store.locate(path, "save_train_state")
+    if existing is not None and not overwrite:
+        where = "" if existing == path else f" (as {existing!r}, left complete by an interrupted save)"
+        raise FileExistsError(
+            f"save_train_state: a checkpoint exists at `path` {path!r}{where}; pass overwrite=True to replace it."
+        )
+    if existing == path and not _store.replaceable(path):
+        raise FileExistsError(
+            f"save_train_state: `path` {path!r} exists and is not a checkpoint (no {_store.MANIFEST}); "
+            "overwrite=True replaces only checkpoints: choose another path or remove it yourself."
+        )
+    records, arrays = _records(state)
+    ocp: Any = _store.orbax() if arrays else None
+    primary = jax.process_index() == 0
+    ns = _store.token()
+    tmp = _store.sibling(path, "new", ns)
     try:
-        meta = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-            path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-        )["meta"]
-    except Exception as e:  # Orbax and tensorstore raise many kinds
-        raise CheckpointError(
-            f"restore_train_state: cannot read the checkpoint record at {path!r} "
-            f"(not a save_train_state checkpoint, or truncated/corrupted): {type(e).__name__}: {e}"
-        ) from e
-    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or not isinstance(meta.get("leaves"), list):
-        raise CheckpointError(
-            f"restore_train_state: {path!r} is not a save_train_state checkpoint (its record is {str(meta)[:200]!r})."
-        )
-    if meta.get("version") != _VERSION:
-        raise CheckpointError(
-            f"restore_train_state: {path!r} has format version {meta.get('version')!r}; this autocast reads {_VERSION}."
-        )
-    return meta
+        if primary:
+            os.makedirs(tmp)
+        _store.sync_processes("mkdir")
+        _store.reached("started")
+        if arrays:
+            ocp.Checkpointer(ocp.StandardCheckpointHandler()).save(
+                os.path.join(tmp, _store.ARRAYS), args=ocp.args.StandardSave(arrays)
+            )
+        _store.reached("arrays written")
+        if primary:
+            files = _store.sync_and_hash(tmp)
+            _store.reached("files synced")
+            body = {"format": _store.FORMAT, "version": _store.VERSION, "saved_ns": ns, "leaves": records}
+            _store.write_manifest(tmp, {**body, "files": files})
+            _store.reached("manifest written")
+            _store.swap(tmp, path, ns)
+        _store.sync_processes("done")
+    except BaseException:
+        if primary:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _store.reached("done")
 
 
-def _check_against(saved: list[dict[str, Any]], wanted: list[dict[str, Any]], path: str) -> None:
+# --- restore -------------------------------------------------------------------------------
+
+
+def _what(entry: dict[str, Any]) -> str:
+    if entry["kind"] == "key":
+        return f"a PRNG key array ({entry['impl']}) of shape {tuple(entry['shape'])}"
+    if entry["kind"] == "array":
+        return f"{entry['dtype']}{list(entry['shape'])}"
+    return f"a Python {entry['type']}"
+
+
+def _python_into_shape(saved: dict[str, Any], x: Any) -> bool:
+    """A Python number saved, and `jax.eval_shape`'s abstract scalar of one in `like`."""
+    if saved["kind"] != "python" or not isinstance(x, jax.ShapeDtypeStruct) or x.shape != ():
+        return False
+    kinds: dict[str, Any] = {"bool": jnp.bool_, "int": jnp.integer, "float": jnp.floating}
+    kind = kinds.get(saved["type"])
+    weak = getattr(x, "weak_type", False) or saved["type"] == "bool"
+    return kind is not None and weak and jnp.issubdtype(x.dtype, kind)
+
+
+def _check_against(saved: list[dict[str, Any]], like_leaves: list[Any], path: str) -> None:
+    wanted = [_describe(p, x) for p, x in like_leaves]
     saved_paths = [e["path"] for e in saved]
     wanted_paths = [e["path"] for e in wanted]
     if saved_paths != wanted_paths:
@@ -180,37 +252,83 @@ def _check_against(saved: list[dict[str, Any]], wanted: list[dict[str, Any]], pa
             f"restore_train_state: the checkpoint at {path!r} has another structure than `like` "
             f"({len(saved_paths)} leaves saved, {len(wanted_paths)} in `like`; {'; '.join(detail)}); {_CONVERT_HINT}."
         )
-    for s, w in zip(saved, wanted):
+    for s, w, (_, x) in zip(saved, wanted, like_leaves):
         same = s["kind"] == w["kind"] and all(
             s.get(k) == w.get(k) for k in ("dtype", "shape", "impl", "type") if w["kind"] != "static"
         )
-        if not same:
-            hint = f"; {_CONVERT_HINT}" if s.get("dtype") != w.get("dtype") else ""
+        if not same and not _python_into_shape(s, x):
+            floats = all(jnp.issubdtype(np.dtype(e.get("dtype", "bool")), jnp.floating) for e in (s, w))
+            hint = f"; {_CONVERT_HINT}" if s["kind"] == w["kind"] == "array" and floats else ""
             raise CheckpointError(
                 f"restore_train_state: leaf `{w['path']}` is {_what(s)} in the checkpoint at {path!r} "
                 f"but {_what(w)} in `like`; nothing is cast on restore{hint}."
             )
 
 
+def _read_arrays(root: str, saved: list[dict[str, Any]], like_leaves: list[Any]) -> dict[str, Any]:
+    abstract = {}
+    for i, (entry, (_, x)) in enumerate(zip(saved, like_leaves)):
+        if entry["kind"] in ("array", "key"):
+            dtype, shape = (
+                (entry["data_dtype"], entry["data_shape"])
+                if entry["kind"] == "key"
+                else (entry["dtype"], entry["shape"])
+            )
+            sharding = getattr(x, "sharding", None)
+            abstract[f"leaf_{i}"] = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+    if not abstract:
+        return {}
+    ocp = _store.orbax()
+    return ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
+        os.path.join(root, _store.ARRAYS), args=ocp.args.StandardRestore(abstract)
+    )
+
+
+def _changed_leaves(saved: list[dict[str, Any]], arrays: dict[str, Any]) -> list[str]:
+    bad = []
+    for i, entry in enumerate(saved):
+        if entry["kind"] in ("array", "key") and entry.get("data_sha256") is not None:
+            data = arrays.get(f"leaf_{i}")
+            raw = None if data is None else _host_bytes(data)
+            if data is None or (raw is not None and _store.sha(raw) != entry["data_sha256"]):
+                bad.append(entry["path"])
+    return bad
+
+
+def _holds(saved: list[dict[str, Any]]) -> str:
+    """What a file of Orbax's array store holds: its OCDBT files keep the arrays together
+    (a file does not name its leaves), so every array leaf is suspect."""
+    leaves = [f"`{e['path']}`" for e in saved if e["kind"] in ("array", "key")]
+    shown = ", ".join(leaves[:6]) + (f" and {len(leaves) - 6} more" if len(leaves) > 6 else "")
+    return f"it is part of Orbax's array store, which holds the array leaves together ({shown}): none is restored"
+
+
 def restore_train_state(path: str | os.PathLike, like: Any) -> Any:
     """Restore a train state saved by `save_train_state`, checked against the template `like`.
 
     Every leaf's path, dtype and shape must match `like`'s (a clear error names the first
-    leaf that differs: nothing is cast); the arrays' CRC-32s must match the recorded ones
-    (a truncated or corrupted checkpoint raises). Arrays are placed with the sharding of
-    `like`'s arrays. Non-array leaves and static configuration come from `like`.
+    leaf that differs: nothing is cast). Everything returned is checked against the SHA-256
+    hashes of the manifest: the manifest itself, every file, every array, every Python
+    value; a damaged, truncated or missing file raises a `CheckpointError` naming the file
+    and, where it can tell, the leaf. Arrays are placed with the sharding of `like`'s
+    arrays. Non-array leaves other than Python numbers and strings, and static
+    configuration, come from `like`. If a save to `path` was killed between its two
+    renames, the newest complete copy it left is read.
 
     **Arguments:**
 
     - `path`: the checkpoint directory.
-    - `like`: a train state of the same structure, dtypes and shapes (e.g. a freshly
-      initialised one, or `jax.eval_shape` of its constructor).
+    - `like`: a train state of the same structure, dtypes and shapes: a freshly
+      initialised one, or a shape-only one (`jax.eval_shape` or `eqx.filter_eval_shape`
+      of its constructor, `jax.ShapeDtypeStruct` leaves; typed PRNG keys included). A
+      Python number that `jax.eval_shape` turned into a weakly typed scalar is restored
+      as the saved Python number.
 
     **Returns:** the restored train state, with `like`'s tree structure.
 
     **Raises:** `FileNotFoundError` if there is no checkpoint at `path`; a `ValueError`
-    (`CheckpointError`) naming the leaf that differs from `like`, or the checkpoint that
-    cannot be read.
+    (`CheckpointError`) naming the leaf that differs from `like`, or the file and leaf
+    that fail their hash.
 
     Example:
 
@@ -218,57 +336,47 @@ def restore_train_state(path: str | os.PathLike, like: Any) -> Any:
     import tempfile
 
     path = tempfile.mkdtemp() + "/ckpt"
-    autocast.save_train_state(path, {"params": params, "step": 3})
+    autocast.save_train_state(path, {"params": params, "key": jax.random.key(1), "step": 3})
     try:  # a bfloat16 template for a float32 checkpoint: an error, no silent cast
-        autocast.restore_train_state(path, {"params": autocast.to_half_params(params), "step": 0})
+        half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+        autocast.restore_train_state(path, {"params": half, "key": jax.random.key(0), "step": 0})
     except ValueError as e:
         assert "leaf `['params']['w1']` is float32[4, 16] in the checkpoint" in str(e)
-    assert autocast.restore_train_state(path, {"params": params, "step": 0})["step"] == 3
+    like = jax.eval_shape(lambda: {"params": params, "key": jax.random.key(0), "step": 0})  # shapes only
+    assert autocast.restore_train_state(path, like)["step"] == 3
     ```
     """
-    ocp = _orbax()
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
+    path = _as_path(path, "restore_train_state")
+    root = _store.locate(path, "restore_train_state")
+    if root is None:
         raise FileNotFoundError(
             f"restore_train_state: no checkpoint at {path!r} (a save that did not finish leaves only a temporary directory)."
         )
-    meta = _read_meta(ocp, path)
+    manifest = _store.read_manifest(root, path)
+    saved = manifest["leaves"]
     like_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
-    wanted = [_describe(p, x) for p, x in like_leaves]
-    _check_against(meta["leaves"], wanted, path)
-
-    abstract = {}
-    for i, ((_, x), entry) in enumerate(zip(like_leaves, wanted)):
-        if entry["kind"] in ("array", "key"):
-            sharding = getattr(x, "sharding", None)
-            shape_dtype = jax.eval_shape(jax.random.key_data, x) if entry["kind"] == "key" else x
-            abstract[f"leaf_{i}"] = jax.ShapeDtypeStruct(shape_dtype.shape, shape_dtype.dtype, sharding=sharding)
+    _check_against(saved, like_leaves, path)
+    _store.verify_files(root, manifest["files"], path, _holds(saved))
     try:
-        arrays = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-            path, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))
-        )["arrays"]
-    except Exception as e:
+        arrays = _read_arrays(root, saved, like_leaves)
+    except Exception as e:  # Orbax and tensorstore raise many kinds
         raise CheckpointError(
-            f"restore_train_state: cannot read the arrays of the checkpoint at {path!r} "
-            f"(truncated or corrupted?): {type(e).__name__}: {e}"
+            f"restore_train_state: cannot read the arrays of the checkpoint at {path!r}: {type(e).__name__}: {e}"
         ) from e
-
+    bad = _changed_leaves(saved, arrays)
+    if bad:
+        raise CheckpointError(
+            f"restore_train_state: the checkpoint at {path!r} is corrupted: leaf `{bad[0]}` read from "
+            f"{os.path.join(root, _store.ARRAYS)!r} does not match its SHA-256 in manifest.json."
+        )
     out = []
-    for i, ((_, x), saved) in enumerate(zip(like_leaves, meta["leaves"])):
-        kind = saved["kind"]
-        if kind in ("array", "key"):
-            data = arrays.get(f"leaf_{i}")
-            if data is None:
-                raise CheckpointError(f"restore_train_state: leaf `{saved['path']}` is missing from {path!r}.")
-            crc = saved.get("crc32")
-            if crc is not None and _crc(data) != crc:
-                raise CheckpointError(
-                    f"restore_train_state: leaf `{saved['path']}` in {path!r} does not match its recorded "
-                    "checksum (the checkpoint is corrupted)."
-                )
-            out.append(jax.random.wrap_key_data(data, impl=jax.random.key_impl(x)) if kind == "key" else data)
-        elif kind == "python":
-            out.append(type(x)(saved["value"]))
+    for i, (entry, (_, x)) in enumerate(zip(saved, like_leaves)):
+        if entry["kind"] == "key":
+            out.append(jax.random.wrap_key_data(arrays[f"leaf_{i}"], impl=_key_impl(x)))
+        elif entry["kind"] == "array":
+            out.append(arrays[f"leaf_{i}"])
+        elif entry["kind"] == "python":
+            out.append(_PYTHON_TYPES[entry["type"]](entry["value"]))
         else:
             out.append(x)
     return jax.tree_util.tree_unflatten(treedef, out)

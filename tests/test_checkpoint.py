@@ -1,12 +1,13 @@
-"""save_train_state / restore_train_state: a killed run resumes bit for bit (float32 master and
-bfloat16 + stochastic rounding), exact round trips, and clear errors for mismatched and damaged
-checkpoints."""
+"""save_train_state / restore_train_state in one process: exact round trips, shape-only
+templates (typed PRNG keys, both optimizer modes), sharding, and clear errors for mismatched
+templates and bad arguments. Killed processes: test_checkpoint_kills.py; damaged files:
+test_checkpoint_corruption.py."""
 
-import os
-import subprocess
+import functools
 import sys
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,49 +17,18 @@ import pytest
 pytest.importorskip("orbax.checkpoint")
 
 import autocast  # noqa: E402
+import autocast.optim  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-import checkpoint_worker as worker  # noqa: E402
-
-WORKER = Path(__file__).with_name("checkpoint_worker.py")
-SAVE_AT, STEPS = 6, 14
-
-
-def _run(*args, expect=0):
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )
-    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def test_a_killed_run_resumes_bit_for_bit_in_both_modes(tmp_path):
-    # process 1: the uninterrupted run, then a run saved at step 6 that dies at step 8
-    _run("crash", tmp_path, SAVE_AT, STEPS, tmp_path / "uninterrupted.npz", expect=17)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["f32", "sr"]
-    # process 2: restore, continue to the end
-    _run("resume", tmp_path, STEPS, tmp_path / "resumed.npz")
-    uninterrupted = dict(np.load(tmp_path / "uninterrupted.npz"))
-    resumed = dict(np.load(tmp_path / "resumed.npz"))
-    assert resumed.keys() == uninterrupted.keys()
-    for name, bits in uninterrupted.items():  # every parameter, moment, count, scale and key
-        np.testing.assert_array_equal(resumed[name], bits, err_msg=name)
-    names = " ".join(resumed)
-    for mode in worker.MODES:
-        assert f"{mode}|['scaler'].scaler" in names and f"{mode}|['key']" in names and f"{mode}|['step']" in names
-    assert "sr|['opt_state'].inner[0].nu" in names and "f32|['opt_state'][0].nu" in names
-    assert "sr|['model'].layers[0].weight|bfloat16" in names and "f32|['model'].layers[0].weight|float32" in names
-    scale = next(v for k, v in resumed.items() if k.startswith("sr|['scaler'].scaler")).view(np.float32)[0]
-    assert scale > 2.0**12  # the dynamic scale moved
-    for mode in worker.MODES:
-        step = next(v for k, v in resumed.items() if k.startswith(f"{mode}|['step']")).view(np.int32)[0]
-        assert step == STEPS
+from checkpoint_worker import state_bits  # noqa: E402
 
 
 def _state():
+    return dict(_cached_state())  # a new dict of the same (immutable) leaves: built once
+
+
+@functools.cache
+def _cached_state():
     params = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(4, jnp.bfloat16)}
     optim = autocast.optim.half_state(optax.adamw(1e-3))
     return {
@@ -71,34 +41,30 @@ def _state():
         "raw_key": jax.random.PRNGKey(6),
         "step": 41,
         "lr": 0.5,
+        "name": "run-a",
         "fn": jax.nn.gelu,
     }
 
 
-def _bits(tree):
-    out = []
-    for x in jax.tree.leaves(tree):
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        out.append(
-            (type(x).__name__, str(getattr(x, "dtype", "")), np.asarray(x).tobytes() if hasattr(x, "dtype") else x)
-        )
-    return out
-
-
-def test_round_trip_is_exact_for_scalers_keys_and_python_numbers(tmp_path):
+def test_round_trip_is_exact_for_scalers_keys_and_python_values(tmp_path):
     state = _state()
     autocast.save_train_state(tmp_path / "c", state)
-    restored = autocast.restore_train_state(tmp_path / "c", like=_state())
-    assert _bits(restored) == _bits(state)
+    zeros = jax.tree.map(jnp.zeros_like, state["params"])
+    like = {**state, "params": zeros, "key": jax.random.key(0), "step": 0, "lr": 0.0, "name": ""}  # other values
+    restored = autocast.restore_train_state(tmp_path / "c", like=like)
+    assert state_bits(restored) == state_bits(state)
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     assert restored["dynamic"].patience == 7 and int(restored["dynamic"].total_resets) == 2
     assert restored["step"] == 41 and isinstance(restored["step"], int) and restored["lr"] == 0.5
+    assert restored["name"] == "run-a" and restored["fn"] is jax.nn.gelu
     assert jax.random.key_impl(restored["key"]) == jax.random.key_impl(state["key"])
     with pytest.raises(FileExistsError, match="overwrite=True"):
         autocast.save_train_state(tmp_path / "c", state)
-    autocast.save_train_state(tmp_path / "c", {**state, "step": 42}, overwrite=True)
-    assert autocast.restore_train_state(tmp_path / "c", like=_state())["step"] == 42
+    # overwritten in the same process: the new arrays are read, not a cached copy of the old
+    changed = {**state, "params": jax.tree.map(lambda x: x + 1, state["params"]), "step": 42, "name": "run-b"}
+    autocast.save_train_state(tmp_path / "c", changed, overwrite=True)
+    assert state_bits(autocast.restore_train_state(tmp_path / "c", like=_state())) == state_bits(changed)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no temporary or old directory left
 
 
 def test_sharded_state_restores_onto_like_sharding(tmp_path):
@@ -110,9 +76,10 @@ def test_sharded_state_restores_onto_like_sharding(tmp_path):
     w = jax.device_put(jnp.arange(32.0, dtype=jnp.float32).reshape(8, 4).astype(jnp.bfloat16), sharding)
     autocast.save_train_state(tmp_path / "s", {"w": w})
     like = {"w": jax.device_put(jnp.zeros((8, 4), jnp.bfloat16), sharding)}
-    restored = autocast.restore_train_state(tmp_path / "s", like=like)["w"]
-    assert restored.sharding.is_equivalent_to(sharding, 2)
-    np.testing.assert_array_equal(np.asarray(restored).view(np.uint16), np.asarray(w).view(np.uint16))
+    for template in (like, {"w": jax.ShapeDtypeStruct((8, 4), jnp.bfloat16, sharding=sharding)}):
+        restored = autocast.restore_train_state(tmp_path / "s", like=template)["w"]
+        assert restored.sharding.is_equivalent_to(sharding, 2)
+        np.testing.assert_array_equal(np.asarray(restored).view(np.uint16), np.asarray(w).view(np.uint16))
 
 
 def test_mismatched_checkpoints_name_the_leaf_and_what_differs(tmp_path):
@@ -166,28 +133,134 @@ def test_conversion_between_modes_through_a_checkpoint(tmp_path):
     np.testing.assert_array_equal(f32_again["params"]["w"], params["w"].astype(jnp.bfloat16).astype(jnp.float32))
 
 
-def _data_files(root):
-    return sorted(p for p in Path(root, "arrays").rglob("*") if p.is_file() and p.parent.name == "d")
+def _optim(mode):
+    return autocast.optim.half_state(optax.adamw(1e-2)) if mode == "sr" else optax.adamw(1e-2)
 
 
-def test_damaged_checkpoints_raise_clear_errors(tmp_path):
-    state = {"w": jax.random.normal(jax.random.key(0), (64, 64)), "step": 3}
-    for name in ("truncated", "flipped", "record"):
-        autocast.save_train_state(tmp_path / name, state)
-    # a data file cut short
-    for f in _data_files(tmp_path / "truncated"):
-        f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
-    with pytest.raises(ValueError, match=r"cannot read the arrays of the checkpoint .*truncated or corrupted|checksum"):
-        autocast.restore_train_state(tmp_path / "truncated", state)
-    # bytes changed in place
-    for f in _data_files(tmp_path / "flipped"):
-        data = bytearray(f.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        f.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=r"truncated or corrupted|checksum"):
-        autocast.restore_train_state(tmp_path / "flipped", state)
-    # the JSON record damaged
-    (record,) = [p for p in (tmp_path / "record" / "meta").iterdir() if p.name == "metadata"]
-    record.write_text(record.read_text()[:-20])
-    with pytest.raises(ValueError, match=r"cannot read the checkpoint record"):
-        autocast.restore_train_state(tmp_path / "record", state)
+def _make(mode, module):
+    """A fresh train state of one optimizer mode: float32 master weights and AdamW, or
+    bfloat16 parameters with half_state(AdamW) (whose state carries a typed key). `module`:
+    an Equinox MLP (static fields, activation functions) and a string, which only
+    eqx.filter_eval_shape can trace, rather than a dict of arrays."""
+    k = jax.random.key(0)
+    model = eqx.nn.MLP(3, 2, 4, 1, key=k) if module else {"w": jax.random.normal(k, (3, 4)), "b": jnp.zeros(4)}
+    if mode == "sr":
+        model = autocast.optim.to_half_params(model)
+    state = {
+        "model": model,
+        "opt_state": _optim(mode).init(eqx.filter(model, eqx.is_inexact_array)),
+        "dynamic": autocast.DynamicScalerState(patience=5),
+        "static": autocast.StaticScalerState(2.0**4),
+        "noop": autocast.NoOpScalerState(),
+        "key": jax.random.key(1),
+        "legacy_key": jax.random.PRNGKey(2),
+        "h": jnp.ones(3, jnp.float16),
+        "count": jnp.int32(0),
+        "flag": jnp.bool_(False),
+        "step": 0,
+        "lr": 1e-3,
+        "warm": True,
+    }
+    return {**state, "name": "run"} if module else state
+
+
+@eqx.filter_jit
+def _one_step(state, mode):
+    """One update in the state's mode (a stochastic-rounding key in bf16 + SR): every leaf moves."""
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.25), eqx.filter(state["model"], eqx.is_inexact_array))
+    key, round_key = jax.random.split(state["key"])
+    model, opt_state = autocast.optimizer_update(
+        state["model"],
+        _optim(mode),
+        state["opt_state"],
+        grads,
+        jnp.bool_(True),
+        key=round_key if mode == "sr" else None,
+    )
+    dynamic = state["dynamic"].adjust(jnp.bool_(False))
+    moved = {"h": state["h"] * 3, "count": state["count"] + 7, "flag": ~state["flag"]}
+    return {**state, **moved, "model": model, "opt_state": opt_state, "dynamic": dynamic, "key": key}
+
+
+TEMPLATES = {
+    "jax.eval_shape": lambda mode: jax.eval_shape(lambda: _make(mode, module=False)),
+    "eqx.filter_eval_shape": lambda mode: eqx.filter_eval_shape(lambda: _make(mode, module=True)),
+    "ShapeDtypeStruct": lambda mode: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, _make(mode, module=True)
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", ["f32", "sr"])
+@pytest.mark.parametrize("template", list(TEMPLATES))
+def test_shape_only_templates_restore_every_leaf_kind(tmp_path, mode, template):
+    module = template != "jax.eval_shape"
+    state = _one_step(_make(mode, module), mode)
+    state = {**state, "legacy_key": jax.random.split(state["legacy_key"])[0], "step": 7, "lr": 5e-4, "warm": False}
+    if module:
+        state["name"] = "run-2"
+    autocast.save_train_state(tmp_path / "c", state)
+    like = TEMPLATES[template](mode)
+    assert jnp.issubdtype(like["key"].dtype, jax.dtypes.prng_key) and isinstance(like["key"], jax.ShapeDtypeStruct)
+    if mode == "sr":
+        assert isinstance(like["opt_state"], autocast.optim.HalfOptState)
+        assert jnp.issubdtype(like["opt_state"].key.dtype, jax.dtypes.prng_key)
+    restored = autocast.restore_train_state(tmp_path / "c", like)
+    # bit for bit, every leaf: dtypes (bfloat16 parameters and moments in SR), key data and
+    # implementations, and Python values as Python values (jax.eval_shape made them scalars)
+    assert state_bits(restored) == state_bits(state)
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(eqx.filter(restored, eqx.is_array)))
+    assert restored["step"] == 7 and type(restored["step"]) is int and type(restored["lr"]) is float
+    assert restored["warm"] is False
+    # the restored keys work as keys
+    assert state_bits(jax.random.split(restored["key"])) == state_bits(jax.random.split(state["key"]))
+    if module:
+        assert restored["model"].activation is state["model"].activation and restored["name"] == "run-2"
+
+
+def test_shape_only_templates_are_checked_like_arrays(tmp_path):
+    state = {"key": jax.random.key(1), "step": 3, "w": jnp.ones(2, jnp.bfloat16)}
+    autocast.save_train_state(tmp_path / "c", state)
+    rbg = jax.eval_shape(lambda: jax.random.key(0, impl="rbg"))
+    with pytest.raises(ValueError, match=r"leaf `\['key'\]` is a PRNG key array \(threefry2x32\) .* \(rbg\)"):
+        autocast.restore_train_state(tmp_path / "c", {**state, "key": rbg})
+    with pytest.raises(
+        ValueError, match=r"leaf `\['step'\]` is a Python int in the checkpoint .* but float32\[\] in `like`"
+    ):
+        autocast.restore_train_state(tmp_path / "c", jax.eval_shape(lambda: {**state, "step": 0.0}))
+    with pytest.raises(ValueError, match=r"leaf `\['w'\]` is bfloat16\[2\] in the checkpoint .* but float16\[2\]"):
+        autocast.restore_train_state(tmp_path / "c", {**state, "w": jax.ShapeDtypeStruct((2,), jnp.float16)})
+
+
+def test_bad_arguments_raise_clear_errors(tmp_path):
+    state = {"w": jnp.ones(3), "step": 1}
+    with pytest.raises(TypeError, match=r"save_train_state: `path` must be a str or os.PathLike .* got int 7"):
+        autocast.save_train_state(7, state)
+    with pytest.raises(ValueError, match=r"restore_train_state: `path` is empty"):
+        autocast.restore_train_state("", state)
+    with pytest.raises(TypeError, match=r"`overwrite` must be True or False, got 'yes'"):
+        autocast.save_train_state(tmp_path / "c", state, overwrite="yes")
+    with pytest.raises(
+        TypeError, match=r"leaf `\['step'\]` of `state` is a shape-only .*\(shape-only trees are for `like`\)"
+    ):
+        autocast.save_train_state(tmp_path / "c", jax.eval_shape(lambda: state))
+    with pytest.raises(TypeError, match=r"leaf `\['w'\]` of `state` is a traced value .* outside jit"):
+        jax.jit(lambda w: autocast.save_train_state(tmp_path / "c", {"w": w}))(jnp.ones(3))
+    (tmp_path / "file").write_text("x")
+    for fn, args in ((autocast.save_train_state, (state,)), (autocast.restore_train_state, (state,))):
+        with pytest.raises(NotADirectoryError, match=rf"{fn.__name__}: `path` .*file' is a file"):
+            fn(tmp_path / "file", *args)
+    # overwrite=True replaces checkpoints only: another directory is left as it is
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match=r"exists and is not a checkpoint \(no manifest.json\)"):
+        autocast.save_train_state(tmp_path / "mine", state, overwrite=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    with pytest.raises(
+        ValueError, match=r"'.*mine' is not a complete save_train_state checkpoint: .*manifest.json' is missing"
+    ):
+        autocast.restore_train_state(tmp_path / "mine", state)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        autocast.restore_train_state(tmp_path / "nothing", state)
+    assert not (tmp_path / "c").exists() and not list(tmp_path.glob(".c.*"))  # the failed saves left nothing
