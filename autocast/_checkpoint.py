@@ -173,15 +173,15 @@ def save_train_state(path: str | os.PathLike, state: Any, *, overwrite: bool = F
     if not isinstance(overwrite, bool):
         raise TypeError(f"save_train_state: `overwrite` must be True or False, got {overwrite!r}.")
     existing = _store.locate(path, "save_train_state")
-    if existing is not None and not overwrite:
-        where = "" if existing == path else f" (as {existing!r}, left complete by an interrupted save)"
-        raise FileExistsError(
-            f"save_train_state: a checkpoint exists at `path` {path!r}{where}; pass overwrite=True to replace it."
-        )
     if existing == path and not _store.replaceable(path):
         raise FileExistsError(
             f"save_train_state: `path` {path!r} exists and is not a checkpoint (no {_store.MANIFEST}); "
             "overwrite=True replaces only checkpoints: choose another path or remove it yourself."
+        )
+    if existing is not None and not overwrite:
+        where = "" if existing == path else f" (as {existing!r}, left complete by an interrupted save)"
+        raise FileExistsError(
+            f"save_train_state: a checkpoint exists at `path` {path!r}{where}; pass overwrite=True to replace it."
         )
     records, arrays = _records(state)
     ocp: Any = _store.orbax() if arrays else None

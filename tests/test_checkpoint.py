@@ -254,8 +254,9 @@ def test_bad_arguments_raise_clear_errors(tmp_path):
     # overwrite=True replaces checkpoints only: another directory is left as it is
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    with pytest.raises(FileExistsError, match=r"exists and is not a checkpoint \(no manifest.json\)"):
-        autocast.save_train_state(tmp_path / "mine", state, overwrite=True)
+    for overwrite in (False, True):
+        with pytest.raises(FileExistsError, match=r"exists and is not a checkpoint \(no manifest.json\)"):
+            autocast.save_train_state(tmp_path / "mine", state, overwrite=overwrite)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
     with pytest.raises(
         ValueError, match=r"'.*mine' is not a complete save_train_state checkpoint: .*manifest.json' is missing"
