@@ -203,16 +203,22 @@ def cudnn_plan(match: Match, multiples: Sequence[int] = (1, 2, 64, 128)) -> Matc
     return first or "no padding multiple given"
 
 
-def platform_dependent(match: Match, inputs: Sequence[Any], *, default: Callable[..., Sequence[Any]]) -> list[Any]:
-    """``lax.platform_dependent``: the cuDNN call on CUDA, ``default(*inputs)`` (the
-    original equations, under amp's rules) elsewhere. The cuDNN branch's results take the
-    dtypes of ``default``'s. Emit it only where :func:`cudnn_error` (or
-    :func:`cudnn_plan`) said the call traces."""
+def platform_dependent(
+    match: Match,
+    inputs: Sequence[Any],
+    *,
+    default: Callable[..., Sequence[Any]],
+    implementation: Literal["xla", "cudnn"] = "cudnn",
+) -> list[Any]:
+    """``lax.platform_dependent``: the call (``implementation``) on CUDA,
+    ``default(*inputs)`` (the original equations, under amp's rules) elsewhere. The CUDA
+    branch's results take the dtypes of ``default``'s. Both branches are traced: emit it
+    only where :func:`cudnn_error` (or :func:`cudnn_plan`) said the cuDNN call traces."""
     shapes = jax.eval_shape(lambda *a: list(default(*a)), *inputs)
 
-    def cudnn(*a: Any) -> list[Any]:
-        outs = call(match, a, implementation="cudnn")
+    def cuda(*a: Any) -> list[Any]:
+        outs = call(match, a, implementation=implementation)
         return [o.astype(sd.dtype) for o, sd in zip(outs, shapes)]
 
-    out = jax.lax.platform_dependent(*inputs, cuda=cudnn, default=lambda *a: list(default(*a)))
+    out = jax.lax.platform_dependent(*inputs, cuda=cuda, default=lambda *a: list(default(*a)))
     return list(out)
