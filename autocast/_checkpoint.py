@@ -341,7 +341,8 @@ def restore_train_state(path: str | os.PathLike, like: Any) -> Any:
         half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
         autocast.restore_train_state(path, {"params": half, "key": jax.random.key(0), "step": 0})
     except ValueError as e:
-        assert "leaf `['params']['w1']` is float32[4, 16] in the checkpoint" in str(e)
+        error = str(e)
+    assert "leaf `['params']['w1']` is float32[4, 16] in the checkpoint" in error
     like = jax.eval_shape(lambda: {"params": params, "key": jax.random.key(0), "step": 0})  # shapes only
     assert autocast.restore_train_state(path, like)["step"] == 3
     ```
