@@ -17,7 +17,7 @@ import os
 import pathlib
 import tomllib
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from . import _compat, _fp8, _rules

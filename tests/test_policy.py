@@ -377,7 +377,7 @@ def test_extends_errors_are_clear(tmp_path):
     )
     with pytest.raises(ValueError, match=r"'exp' is listed in both \[primitives\]\.input and \.as_is"):
         autocast.load_policy(twice)
-    bad_base = _write(tmp_path / "bad_base.toml", 'schema = 1\n[primitives]\nfast = ["add"]\n')
+    _write(tmp_path / "bad_base.toml", 'schema = 1\n[primitives]\nfast = ["add"]\n')
     on_bad = _write(tmp_path / "on_bad.toml", 'schema = 1\nextends = "bad_base.toml"\n')
     with pytest.raises(ValueError, match=r"bad_base\.toml: unknown category 'fast'"):
         autocast.load_policy(on_bad)
