@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _compat, _dtypes, _nnx
 from ._interpreter import Context, eval_jaxpr
-from ._policy import default_amp_policy, validate_policy
+from ._options import AmpKwargs, AmpOptions, takes_amp_options
 
 _CACHE_SIZE = 32
 
@@ -54,21 +54,9 @@ class _Traced:
 class _AmpFunction:
     """The callable ``amp`` returns; see :func:`amp`."""
 
-    def __init__(
-        self,
-        fn: Callable,
-        compute_dtype: np.dtype,
-        policy: Mapping,
-        remat: bool | str,
-        weight_grad_dtype: str = "float32",
-        custom_vjp_bwd: str = "amp",
-    ):
+    def __init__(self, fn: Callable, options: AmpOptions):
         self.fn = fn
-        self.weight_grad_dtype = weight_grad_dtype
-        self.custom_vjp_bwd = custom_vjp_bwd
-        self.compute_dtype = compute_dtype
-        self.policy = policy
-        self.remat = remat
+        self.options = options
         self._cache: collections.OrderedDict = collections.OrderedDict()
         # amp of fn over NNX's (graphdef, state), made on the first call with NNX objects; that
         # function's own arguments are the split state, never split again (_split_nnx False)
@@ -87,14 +75,7 @@ class _AmpFunction:
         if self._split_nnx and _nnx.holds_graph_nodes(self.fn, args, kwargs):
             # Flax NNX objects: their state updates are written back (autocast/_nnx.py)
             if self._nnx_core is None:
-                self._nnx_core = _AmpFunction(
-                    _nnx.pure(self.fn),
-                    self.compute_dtype,
-                    self.policy,
-                    self.remat,
-                    self.weight_grad_dtype,
-                    self.custom_vjp_bwd,
-                )
+                self._nnx_core = _AmpFunction(_nnx.pure(self.fn), self.options)
                 self._nnx_core._split_nnx = False
             return _nnx.call(self.fn, self._nnx_core, args, kwargs)
         treedef, dynamic_mask, dynamic, static = _partition((args, kwargs))
@@ -136,14 +117,11 @@ class _AmpFunction:
             return [x for x, m in zip(out_leaves, mask) if m]
 
         closed = jax.make_jaxpr(flat_fn)(*dynamic)
-        ctx = Context(self.compute_dtype, self.policy, self.remat)
-        ctx.float32_cotangents = self.weight_grad_dtype == "float32"
-        ctx.custom_vjp_bwd = self.custom_vjp_bwd
-        transformed = _transform(closed, self.compute_dtype, self.policy, scopes, self.remat, ctx)
+        transformed = _transform(closed, scopes, self.options.context())
         return _Traced(transformed, out_info["tree"], out_info["static"], out_info["mask"])
 
     def __repr__(self) -> str:
-        return f"amp({getattr(self.fn, '__name__', self.fn)!r}, compute_dtype={self.compute_dtype.name})"
+        return f"amp({getattr(self.fn, '__name__', self.fn)!r}, compute_dtype={self.options.dtype.name})"
 
 
 def _as_arrays(outs: list[Any], closed: Any) -> list[Any]:
@@ -156,17 +134,9 @@ def _as_arrays(outs: list[Any], closed: Any) -> list[Any]:
     ]
 
 
-def _transform(
-    closed: Any,
-    compute_dtype: np.dtype,
-    policy: Mapping,
-    scopes: tuple[str, ...],
-    remat: bool | str,
-    ctx: Context | None = None,
-) -> Any:
-    """The closed jaxpr of ``closed`` re-evaluated under ``policy`` (``ctx``: a context to
-    use instead of a new one, e.g. one with an observer, for ``autocast.explain``)."""
-    ctx = Context(compute_dtype, policy, remat) if ctx is None else ctx
+def _transform(closed: Any, scopes: tuple[str, ...], ctx: Context) -> Any:
+    """The closed jaxpr of ``closed`` re-evaluated in ``ctx`` (made by
+    :meth:`AmpOptions.context`; for ``autocast.explain``, one with an observer)."""
     jaxpr, consts = closed.jaxpr, closed.consts
     in_avals = [v.aval for v in jaxpr.invars]
     out_dtypes = [v.aval.dtype for v in jaxpr.outvars]
@@ -180,21 +150,8 @@ def _transform(
     return _compat.close_jaxpr(new_jaxpr, new_consts)
 
 
-def check_remat_float32(remat_float32: Any) -> None:
-    """``True``, ``False`` or ``"auto"``; a ValueError that names the value otherwise."""
-    if not (remat_float32 is True or remat_float32 is False or remat_float32 == "auto"):
-        raise ValueError(f"remat_float32={remat_float32!r} is not allowed; use True, False or 'auto'.")
-
-
-def amp(
-    fn: Callable | None = None,
-    *,
-    compute_dtype: Any = jnp.float16,
-    amp_policy: Mapping | None = None,
-    remat_float32: bool | Literal["auto"] = "auto",
-    weight_grad_dtype: Literal["float32", "compute"] = "float32",
-    custom_vjp_bwd: Literal["amp", "original"] = "amp",
-) -> Any:
+@takes_amp_options
+def amp(fn: Callable | None = None, **options: Unpack[AmpKwargs]) -> Any:
     """Run ``fn`` in mixed precision.
 
     ``amp`` traces ``fn`` to a jaxpr over the array leaves of its arguments (other leaves,
@@ -246,25 +203,11 @@ def amp(
         loss = autocast.amp(loss_fn, compute_dtype=jnp.bfloat16)(params, batch)
         grads = jax.grad(autocast.amp(loss_fn))(params, batch)
     """
-    check_remat_float32(remat_float32)
-    if weight_grad_dtype not in ("float32", "compute"):
-        raise ValueError(f"weight_grad_dtype={weight_grad_dtype!r} is not allowed; use 'float32' or 'compute'.")
-    if custom_vjp_bwd not in ("amp", "original"):
-        raise ValueError(f"custom_vjp_bwd={custom_vjp_bwd!r} is not allowed; use 'amp' or 'original'.")
-    dtype = _dtypes.canonical_compute_dtype(compute_dtype)
-    policy = default_amp_policy if amp_policy is None else amp_policy
-    validate_policy(policy)
+    opts = AmpOptions.from_kwargs("amp", options)
     if fn is None:
-        return functools.partial(
-            amp,
-            compute_dtype=dtype,
-            amp_policy=policy,
-            remat_float32=remat_float32,
-            weight_grad_dtype=weight_grad_dtype,
-            custom_vjp_bwd=custom_vjp_bwd,
-        )
+        return functools.partial(amp, **opts.as_kwargs())
     if not callable(fn):
         raise TypeError(
             f"amp(fn={fn!r}): fn must be callable (a function, an Equinox module, ...), got {type(fn).__name__}."
         )
-    return _AmpFunction(fn, dtype, policy, remat_float32, weight_grad_dtype, custom_vjp_bwd)
+    return _AmpFunction(fn, opts)

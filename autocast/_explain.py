@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, _dtypes, _fp8, _plan, _rules, _walk
-from ._amp import _combine, _is_array, _partition, _transform, check_remat_float32
+from ._amp import _combine, _is_array, _partition, _transform
 from ._binding import rule_name as _rule_name
 from ._interpreter import Context
-from ._policy import AMP_STOP, CATEGORIES, default_amp_policy, validate_policy
+from ._options import AmpKwargs, AmpOptions, takes_amp_options
+from ._policy import AMP_STOP, CATEGORIES
 
 _RULE_NAMES = {rule: name for name, rule in CATEGORIES.items()} | {_rules.select_in_float32: "float32"}
 
@@ -257,6 +258,57 @@ def _saved(fun: Callable, args: list[Any]) -> dict[str, int] | None:
     return out
 
 
+BACKWARD = "jit(autocast_backward)"
+"""How the backward pass explain and find_overflow trace shows in a nesting path
+(``_walk.label``): one ``jit`` call holding every equation of it (transposes, ``custom_vjp``
+backward rules, recomputations), whatever their name stacks say."""
+
+
+def gradients(fun: Callable, args: list[Any], idx: list[int], cotangents: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """``(fun(*args), gradients)``: the gradients with respect to ``args[i]`` for ``i`` in
+    ``idx``, from ``cotangents(outputs)``, traced as the call :data:`BACKWARD`."""
+
+    def of_idx(*floats: Any) -> Any:
+        full = list(args)
+        for i, f in zip(idx, floats):
+            full[i] = f
+        return fun(*full)
+
+    out, vjp = jax.vjp(of_idx, *(args[i] for i in idx))
+
+    def autocast_backward(cts: Any) -> Any:
+        return vjp(cts)
+
+    return out, jax.jit(autocast_backward)(cotangents(out))
+
+
+def _backward_matmuls(fun: Callable, args: list[Any]) -> dict[str, int] | None:
+    """Bytes the matmuls and convolutions of ``fun``'s backward pass write, by result
+    dtype: the weight gradients (float32 under ``weight_grad_dtype="float32"``), the
+    activation gradients, matmuls a ``custom_vjp`` backward rule or a recomputation runs.
+    ``fun`` is differentiated with respect to its floating arguments, from a cotangent of
+    ones for each floating output; None where JAX cannot transpose it (a forward-only
+    construct such as ``Scan3``, a ``while_loop``)."""
+    idx = [i for i, x in enumerate(args) if _dtypes.is_floating(_dtypes.dtype_of(x))]
+
+    def floats_out(*a: Any) -> list[Any]:
+        return [y for y in fun(*a) if _dtypes.is_floating(_dtypes.dtype_of(y))]
+
+    def backward(*dyn: Any) -> Any:
+        return gradients(floats_out, list(dyn), idx, lambda outs: [jnp.ones_like(y) for y in outs])[1]
+
+    try:
+        closed = jax.make_jaxpr(backward)(*args)
+    except (NotImplementedError, ValueError, TypeError):  # no transpose: Scan3, while_loop, ...
+        return None
+    out: dict[str, int] = {}
+    for eqn, _, path, mult in _walk.walk(closed):
+        if BACKWARD in path and eqn.primitive.name in _walk.MATMULS:
+            for v in eqn.outvars:
+                _add(out, str(v.aval.dtype), mult * _walk.nbytes(v.aval))
+    return out
+
+
 def _as_dict(m: Any) -> dict[str, Any]:
     """A matmul dataclass as JSON: its tuples as lists."""
     return {
@@ -361,6 +413,7 @@ class Explanation:
             ("matmul_flops", "matmul/conv FLOPs", _fmt_flops),
             ("intermediate_bytes", "intermediate values", _fmt_bytes),
             ("saved_bytes", "saved for backward", _fmt_bytes),
+            ("backward_matmul_bytes", "backward matmul results", _fmt_bytes),
         ):
             amp, orig = t[key]["amp"], t[key]["float32"]
             out.append((title, _by_dtype(amp, fmt), _by_dtype(orig, fmt)))
@@ -501,26 +554,24 @@ def _check_fn(name: str, fn: Any) -> None:
         )
 
 
-def explain(
-    fn: Callable,
-    *,
-    compute_dtype: Any = jnp.float16,
-    amp_policy: Mapping | None = None,
-    remat_float32: bool | Literal["auto"] = "auto",
-    custom_vjp_bwd: Literal["amp", "original"] = "amp",
-) -> Callable[..., Explanation]:
+@takes_amp_options
+def explain(fn: Callable, **options: Unpack[AmpKwargs]) -> Callable[..., Explanation]:
     """Show what :func:`autocast.amp` does to ``fn``: which rule each operation gets and
     why, the dtypes it runs in, and what that costs, without running anything (trace only).
 
-    **Arguments:** as for :func:`autocast.amp`.
+    **Arguments:** ``fn`` and every option of :func:`autocast.amp` (``compute_dtype``,
+    ``amp_policy``, ``remat_float32``, ...), with the same defaults: the report is of the
+    program ``amp(fn, **options)`` makes.
 
-    **Returns:** a function that takes ``fn``'s arguments and returns an
+    **Returns:** a function that takes ``fn``'s arguments (arrays, or
+    ``jax.ShapeDtypeStruct`` leaves: a model explained from its shapes) and returns an
     :class:`Explanation`: ``print`` it for a table grouped by named scope and primitive
     (count, operand dtypes before → after the rule, result dtype, rule, why), read
-    ``.totals`` (matmul FLOPs, intermediate bytes and bytes saved for the backward pass, by
-    dtype, beside the float32 original's, the latter None where JAX cannot differentiate
-    ``fn``; casts inserted; float32 islands; ``custom_vjp_bwd``: how many ``custom_vjp``
-    backward rules the program holds and how they run) and
+    ``.totals`` (by dtype, beside the float32 original's: matmul FLOPs, intermediate bytes,
+    bytes saved for the backward pass and bytes the backward pass's matmuls write, the
+    weight gradients among them, the last two None where JAX cannot differentiate ``fn``;
+    casts inserted; float32 islands and how many are recomputed; ``custom_vjp_bwd``: how
+    many ``custom_vjp`` backward rules the program holds and how they run) and
     ``.float32_matmuls`` (each matmul/convolution not in the compute dtype, with its
     source line), or export ``.to_dict()`` / ``.to_markdown()``.
 
@@ -531,23 +582,17 @@ def explain(
         assert not report.float32_matmuls
     """
     _check_fn("explain", fn)
-    dtype = _dtypes.canonical_compute_dtype(compute_dtype)
-    policy = default_amp_policy if amp_policy is None else amp_policy
-    validate_policy(policy)
-    check_remat_float32(remat_float32)
-    if custom_vjp_bwd not in ("amp", "original"):
-        raise ValueError(f"custom_vjp_bwd={custom_vjp_bwd!r} is not allowed; use 'amp' or 'original'.")
+    opts = AmpOptions.from_kwargs("explain", options)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Explanation:
         flat_fn, dynamic = _flat(fn, args, kwargs)
         closed = jax.make_jaxpr(flat_fn)(*dynamic)
-        ctx = _ExplainContext(dtype, policy, remat_float32)
-        ctx.custom_vjp_bwd = custom_vjp_bwd
+        ctx = opts.context(_ExplainContext)
         observer = _Observer(ctx)
         ctx.observer = observer
         scopes = _compat.scope_names(_compat.current_name_stack())
-        transformed = _transform(closed, dtype, policy, scopes, remat_float32, ctx=ctx)
+        transformed = _transform(closed, scopes, ctx)
         observer.active = False  # custom rules traced later (by jax.vjp below) are not the program
         flops_amp, inter_amp, casts_amp = _costs(transformed)
         flops_32, inter_32, casts_32 = _costs(closed)
@@ -559,14 +604,18 @@ def explain(
                 "amp": _saved(_compat.jaxpr_as_fun(transformed), dynamic),
                 "float32": _saved(_compat.jaxpr_as_fun(closed), dynamic),
             },
+            "backward_matmul_bytes": {
+                "amp": _backward_matmuls(_compat.jaxpr_as_fun(transformed), dynamic),
+                "float32": _backward_matmuls(_compat.jaxpr_as_fun(closed), dynamic),
+            },
             "casts_inserted": max(0, casts_amp - casts_32),
             "float32_islands": len(islands),
             "islands_recomputed": sum(islands.values()),
             "custom_vjp_bwd": {
                 "count": _custom_vjps(closed, scopes),
-                "mode": custom_vjp_bwd,
+                "mode": opts.custom_vjp_bwd,
             },
         }
-        return Explanation(dtype.name, observer.records, totals)
+        return Explanation(opts.dtype.name, observer.records, totals)
 
     return run

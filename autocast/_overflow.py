@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,8 @@ import numpy as np
 
 from . import _compat, _dtypes, _walk
 from ._amp import amp
-from ._explain import _check_fn, _flat
+from ._explain import BACKWARD, _check_fn, _flat, gradients
+from ._options import AmpKwargs, AmpOptions, takes_amp_options
 from ._plan import COMMUTES_WITH_ROUNDING
 
 _UNDERFLOW_SIGNIFICANCE = 1e-3
@@ -144,7 +145,7 @@ class _Checker:
             env[v] = x
         for eqn in jaxpr.eqns:
             here = scopes + _compat.scope_names(eqn.source_info.name_stack)
-            outs = self.eqn(eqn, [read(v) for v in eqn.invars], here, path, backward or _is_backward(eqn))
+            outs = self.eqn(eqn, [read(v) for v in eqn.invars], here, path, backward)
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, _compat.DropVar):
                     env[v] = x
@@ -160,6 +161,8 @@ class _Checker:
         if _compat.hi_prim(eqn) is not None:
             return self.hi(eqn, invals, scopes, here, bwd)
         if prim in (_compat.jit_p, _compat.closed_call_p, _compat.remat_p):
+            if here[-1] == BACKWARD:  # the backward pass (``_grad_target``): not shown as a call
+                here, bwd = path, True
             return self.body(params["jaxpr" if "jaxpr" in params else "call_jaxpr"], invals, scopes, here, bwd)
         if prim in (_compat.custom_jvp_call_p, _compat.custom_vjp_call_p):  # the primal body
             return self.body(params["call_jaxpr"], invals, scopes, here, bwd)
@@ -318,19 +321,9 @@ def _is_half_dtype(v: Any) -> bool:
         return False
 
 
-def _is_backward(eqn: Any) -> bool:
-    """Whether JAX's name stack marks ``eqn`` as part of a transpose (the backward pass)."""
-    stack = getattr(eqn.source_info.name_stack, "stack", ())
-    return any(type(e).__name__ != "Scope" and "transpose" in str(getattr(e, "name", "")) for e in stack)
-
-
+@takes_amp_options
 def find_overflow(
-    fn: Callable,
-    *,
-    compute_dtype: Any = jnp.float16,
-    amp_policy: Mapping | None = None,
-    grad: bool = False,
-    scale: float = 2.0**15,
+    fn: Callable, *, grad: bool = False, scale: float = 2.0**15, **options: Unpack[AmpKwargs]
 ) -> Callable[..., Findings]:
     """Find where ``fn`` breaks in half precision under :func:`autocast.amp`.
 
@@ -340,7 +333,10 @@ def find_overflow(
 
     **Arguments:**
 
-    - ``fn``, ``compute_dtype``, ``amp_policy``: as for :func:`autocast.amp`.
+    - ``fn`` and every option of :func:`autocast.amp` (``compute_dtype``, ``amp_policy``,
+      ``remat_float32``, ...), with the same defaults: the program checked is the one
+      ``amp(fn, **options)`` makes (``weight_grad_dtype="compute"``: the weight gradients'
+      matmuls write half precision and are checked too).
     - ``grad``: also check the backward pass; ``fn`` must return a scalar float loss, and
       the gradient is taken with respect to every floating array leaf of the arguments.
     - ``scale``: the loss scale the backward pass is checked at (``grad=True``).
@@ -357,7 +353,7 @@ def find_overflow(
         print(findings)
     """
     _check_fn("find_overflow", fn)
-    dtype = _dtypes.canonical_compute_dtype(compute_dtype)
+    opts = AmpOptions.from_kwargs("find_overflow", options)
     if not isinstance(grad, bool):
         raise TypeError(f"find_overflow(grad={grad!r}): grad must be True or False.")
     try:
@@ -366,7 +362,7 @@ def find_overflow(
         raise TypeError(f"find_overflow(scale={scale!r}): scale must be a positive finite number.") from None
     if not (np.isfinite(scale_f) and scale_f > 0):
         raise ValueError(f"find_overflow(scale={scale!r}): scale must be a positive finite number.")
-    amp_fn = amp(fn, compute_dtype=dtype, amp_policy=amp_policy)
+    amp_fn = amp(fn, **opts.as_kwargs())
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Findings:
@@ -391,13 +387,10 @@ def _grad_target(flat_fn: Callable, dynamic: list[Any], scale: float) -> Callabl
     idx = [i for i, x in enumerate(dynamic) if _dtypes.is_floating(_dtypes.dtype_of(x))]
 
     def target(*dyn):
-        def loss(floats):
-            full = list(dyn)
-            for i, f in zip(idx, floats):
-                full[i] = f
-            return flat_fn(*full)[0].astype(jnp.float32) * scale
+        def loss(*a):
+            return flat_fn(*a)[0].astype(jnp.float32) * scale
 
-        value, grads = jax.value_and_grad(loss)([dyn[i] for i in idx])
+        value, grads = gradients(loss, list(dyn), idx, jnp.ones_like)
         return [value, *grads]
 
     return target

@@ -292,3 +292,97 @@ def test_cond_branches_are_counted_once_each():
     rows = [r for r in report.rows if r["primitive"] == "dot_general"]
     assert sum(r["count"] for r in rows) == 2 and all(r["nesting"] == "cond" for r in rows)
     assert _matmul_operand_dtypes(autocast.amp(f), jnp.ones((4, 4)), jnp.ones((2, 4)), 1.0) == ["float16", "float16"]
+
+
+# --- every option of amp takes effect ---------------------------------------------------
+
+
+def _mlp(w1, w2, x):
+    return jnp.sum(jax.nn.log_softmax(jax.nn.gelu(x @ w1) @ w2))
+
+
+MLP_ARGS = (jnp.ones((16, 32)) * 0.1, jnp.ones((32, 8)) * 0.1, jnp.ones((4, 16)))
+
+
+def test_weight_grad_dtype_sets_the_dtype_of_the_weight_gradients_explain_reports():
+    """The backward pass of ``gelu(x @ w1) @ w2`` runs four matmuls: dW2 [32, 8], dh [4, 32],
+    dW1 [16, 32] and dx [4, 16]. Under ``weight_grad_dtype="float32"`` the gradients of the
+    operands narrowed from float32 (w1, w2 and the input x) leave their matmuls in float32
+    and dh in float16; under ``"compute"`` all four are float16; the float32 original's are
+    float32. (remat_float32=False: no matmul is recomputed in the backward pass.)"""
+    n = {"dW2": 32 * 8, "dh": 4 * 32, "dW1": 16 * 32, "dx": 4 * 16}
+    want = {
+        "float32": {"float32": 4 * (n["dW2"] + n["dW1"] + n["dx"]), "float16": 2 * n["dh"]},
+        "compute": {"float16": 2 * sum(n.values())},
+    }
+    for mode, expected in want.items():
+        report = autocast.explain(_mlp, weight_grad_dtype=mode, remat_float32=False)(*MLP_ARGS)
+        assert report.totals["backward_matmul_bytes"] == {"amp": expected, "float32": {"float32": 4 * sum(n.values())}}
+        assert "backward matmul results" in report.to_markdown()
+
+
+def _checkpoints(fn, *args):
+    from tests.helpers import walk
+
+    closed = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(*args)
+    return sum(e.primitive.name in ("checkpoint", "remat2", "remat") for e, _ in walk(closed))
+
+
+def test_remat_float32_decides_which_islands_explain_reports_recomputed():
+    reports = {r: autocast.explain(_mlp, remat_float32=r)(*MLP_ARGS) for r in (True, "auto", False)}
+    totals = {r: rep.totals for r, rep in reports.items()}
+    assert totals[True]["float32_islands"] >= 2 and totals[True]["islands_recomputed"] >= 1
+    assert 1 <= totals["auto"]["islands_recomputed"] <= totals[True]["islands_recomputed"]
+    assert totals[False]["islands_recomputed"] == 0
+    assert not any("recomputed" in row["why"] for row in reports[False].rows)
+    assert any("island, recomputed" in row["why"] for row in reports[True].rows)
+    # what explain reports is what amp does: checkpoints in the gradient program exactly
+    # where islands are recomputed
+    for r, t in totals.items():
+        assert (_checkpoints(autocast.amp(_mlp, remat_float32=r), *MLP_ARGS) > 0) == (t["islands_recomputed"] > 0), r
+
+
+@jax.custom_vjp
+def _product(x, w):
+    return x @ w
+
+
+def _product_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _product_bwd(res, g):
+    x, w = res
+    return g @ w.T, x.T @ g
+
+
+_product.defvjp(_product_fwd, _product_bwd)
+
+
+def test_custom_vjp_bwd_decides_how_explain_counts_a_backward_rule():
+    """Under ``"amp"`` the rule's two matmuls run in float16 (g @ w.T [8, 4], x.T @ g
+    [4, 4]); as written (``"original"``) they run on the residuals as they arrive, a float32
+    one among them."""
+    w, x = jnp.full((4, 4), 0.01), jnp.ones((8, 4))
+
+    def loss(w, x):
+        return jnp.sum(_product(x, w))
+
+    under_amp = autocast.explain(loss)(w, x).totals
+    assert under_amp["custom_vjp_bwd"] == {"count": 1, "mode": "amp"}
+    assert under_amp["backward_matmul_bytes"]["amp"] == {"float16": 2 * (8 * 4 + 4 * 4)}
+    as_written = autocast.explain(loss, custom_vjp_bwd="original")(w, x).totals
+    assert as_written["custom_vjp_bwd"] == {"count": 1, "mode": "original"}
+    assert as_written["backward_matmul_bytes"]["amp"].get("float32", 0) > 0
+
+
+def test_a_while_loop_has_no_backward_matmuls_to_count():
+    """JAX cannot transpose a while loop: the backward accounting is n/a, the rest is there."""
+
+    def f(w, x):
+        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1].sum()
+
+    report = autocast.explain(f)(jnp.full((4, 4), 0.1), jnp.ones((2, 4)))
+    assert report.totals["backward_matmul_bytes"] == {"amp": None, "float32": None}
+    assert report.totals["matmul_flops"]["amp"] == {"float16": 2 * 2 * 4 * 4}
+    assert "backward matmul results | n/a | n/a" in report.to_markdown()

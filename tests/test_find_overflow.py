@@ -222,3 +222,69 @@ def test_bad_input():
         autocast.find_overflow(square_model, grad=True, scale=0.0)
     with pytest.raises(TypeError, match="grad"):
         autocast.find_overflow(square_model, grad="yes")
+
+
+# --- every option of amp takes effect ---------------------------------------------------
+
+
+def sum_of_products(w, x):
+    return jnp.sum(x @ w)  # PLANT:weight_grad
+
+
+def test_weight_grad_dtype_compute_checks_the_weight_gradient_in_half():
+    """dW = x^T . dy sums 8 rows of 1 x 32768 (the loss scale): 262144, beyond float16.
+    Under ``weight_grad_dtype="compute"`` that matmul writes float16 and overflows; under
+    ``"float32"`` (the default) it writes float32 and nothing breaks."""
+    w, x = jnp.full((4, 4), 0.01), jnp.ones((8, 4))
+    assert autocast.find_overflow(sum_of_products, grad=True)(w, x) == []
+    findings = autocast.find_overflow(sum_of_products, grad=True, weight_grad_dtype="compute")(w, x)
+    first = check_planted(findings, "weight_grad", "dot_general")
+    assert first.backward and first.float32_range == (262144.0, 262144.0) and first.path == ()
+
+
+@jax.custom_vjp
+def _product(x, w):
+    return x @ w
+
+
+def _product_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _product_bwd(res, g):
+    x, w = res
+    return g @ w.T, x.T @ g
+
+
+_product.defvjp(_product_fwd, _product_bwd)
+
+
+def test_custom_vjp_bwd_amp_checks_the_backward_rule_in_half():
+    """Under ``custom_vjp_bwd="amp"`` the rule's ``x.T @ g`` runs in float16 and its sum of
+    8 x 32768 overflows (found in the backward pass; ``g @ w.T``, 1311, does not); as written
+    it reads the float32 residual ``x`` and writes float32."""
+    w, x = jnp.full((4, 4), 0.01), jnp.ones((8, 4))
+
+    def loss(w, x):
+        return jnp.sum(_product(x, w))
+
+    (found,) = autocast.find_overflow(loss, grad=True)(w, x)
+    assert (found.primitive, found.kind, found.backward) == ("dot_general", "overflow", True)
+    assert found.float32_range == (262144.0, 262144.0) and found.count == 16
+    assert autocast.find_overflow(loss, grad=True, custom_vjp_bwd="original")(w, x) == []
+
+
+def test_remat_float32_changes_the_program_checked():
+    """With every float32 island recomputed the backward pass evaluates the islands again:
+    more equations are checked than with none recomputed (and none breaks)."""
+
+    def mlp(w1, w2, x):
+        return jnp.sum(jax.nn.log_softmax(jax.nn.gelu(x @ w1) @ w2))
+
+    args = (jnp.ones((16, 32)) * 0.1, jnp.ones((32, 8)) * 0.1, jnp.ones((4, 16)))
+    checked = {}
+    for remat in (True, False):
+        findings = autocast.find_overflow(mlp, grad=True, remat_float32=remat)(*args)
+        assert findings == [], remat
+        checked[remat] = findings.checked
+    assert checked[True] > checked[False] > 0

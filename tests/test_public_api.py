@@ -1,15 +1,21 @@
-"""The public surface: one import path per name, documented."""
+"""The public surface: one import path per name, documented; amp's options taken alike by
+``amp``, ``explain`` and ``find_overflow``; docstrings that name only real arguments."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import pathlib
 import re
+import typing
 import warnings
 
+import jax.numpy as jnp
 import pytest
 
 import autocast
 import autocast.optim
+from autocast import _options
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MOVED = [
@@ -79,3 +85,135 @@ def test_docs_and_readme_use_the_new_paths():
         for m in _OLD_PATH.finditer(text)
     ]
     assert not old, old
+
+
+# --- amp's options ------------------------------------------------------------------------
+
+
+def _keyword_options(fn, own=()):
+    """The keyword-only parameters of ``fn`` other than ``own``: (name, default, annotation)."""
+    return [
+        (p.name, p.default, p.annotation)
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in own
+    ]
+
+
+def test_explain_and_find_overflow_take_exactly_amps_options():
+    amp_options = _keyword_options(autocast.amp)
+    assert [n for n, _, _ in amp_options] == [f.name for f in dataclasses.fields(_options.AmpOptions)]
+    assert {"compute_dtype", "amp_policy", "remat_float32", "weight_grad_dtype", "custom_vjp_bwd"} <= {
+        n for n, _, _ in amp_options
+    }
+    assert _keyword_options(autocast.explain) == amp_options
+    assert _keyword_options(autocast.find_overflow, own=("grad", "scale")) == amp_options
+    own = inspect.signature(autocast.find_overflow).parameters
+    assert own["grad"].default is False and own["scale"].default == 2.0**15
+    # the TypedDict type checkers read lists the same options
+    assert list(typing.get_type_hints(_options.AmpKwargs)) == [n for n, _, _ in amp_options]
+
+
+def test_amp_defaults_are_the_documented_ones():
+    defaults = {n: d for n, d, _ in _keyword_options(autocast.amp)}
+    assert defaults["compute_dtype"] is jnp.float16 and defaults["amp_policy"] is None
+    assert defaults["remat_float32"] == "auto" and defaults["weight_grad_dtype"] == "float32"
+    opts = _options.AmpOptions()
+    assert opts.dtype == jnp.float16 and opts.policy is autocast.default_amp_policy
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error", "message"),
+    [
+        ("compute_dtype", "float64", ValueError, r"compute_dtype='float64'.*allowed: float16, bfloat16 or float32"),
+        ("amp_policy", [1, 2], TypeError, r"amp_policy must be a mapping.*got list"),
+        ("remat_float32", "yes", ValueError, r"remat_float32='yes' is not allowed; use True, False or 'auto'"),
+        ("remat_float32", 1, ValueError, r"remat_float32=1 is not allowed; use True, False or 'auto'"),
+        (
+            "weight_grad_dtype",
+            "half",
+            ValueError,
+            r"weight_grad_dtype='half' is not allowed; use 'float32' or 'compute'",
+        ),
+        ("custom_vjp_bwd", None, ValueError, r"custom_vjp_bwd=None is not allowed; use 'amp' or 'original'"),
+    ],
+)
+def test_a_bad_option_gets_one_error_from_all_three(option, value, error, message):
+    for fn in (autocast.amp, autocast.explain, autocast.find_overflow):
+        with pytest.raises(error, match=message):
+            fn(lambda x: x, **{option: value})
+
+
+def test_an_unknown_keyword_is_named_with_the_options():
+    for fn in (autocast.amp, autocast.explain, autocast.find_overflow):
+        with pytest.raises(TypeError, match=rf"{fn.__name__}\(\) got an unexpected keyword argument 'remat'.*"):
+            fn(lambda x: x, remat=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'grad'"):
+        autocast.explain(lambda x: x, grad=True)  # find_overflow's own option only
+
+
+# --- docstrings -------------------------------------------------------------------------
+
+
+def _documented_arguments(doc: str) -> list[str]:
+    """The argument names a ``**Arguments:**`` section lists: ``- `x`, `w`: ...`` items, or
+    ``**Arguments:** `x`: ...`` on its own line."""
+    match = re.search(r"\*\*Arguments:\*\*(.*?)(?:\n\s*\*\*\w|\n\s*Example|\Z)", doc, re.S)
+    if not match:
+        return []
+    names = []
+    first, *rest = match.group(1).splitlines()
+    for line in [first, *(line for line in rest if line.lstrip().startswith("- "))]:
+        item = re.match(r"\s*(?:-\s+)?((?:``?\w+``?,?\s*)+):", line)
+        if item:
+            names += re.findall(r"``?(\w+)``?", item.group(1))
+    return names
+
+
+def test_docstrings_name_only_real_arguments():
+    public = [getattr(autocast, n) for n in autocast.__all__ if n != "__version__"]
+    public += [getattr(autocast.optim, n) for n in autocast.optim.__all__]
+    checked = 0
+    for obj in public:
+        if not callable(obj) or not (inspect.getdoc(obj) or ""):
+            continue
+        names = _documented_arguments(inspect.getdoc(obj))
+        if not names:
+            continue
+        target = obj.__init__ if inspect.isclass(obj) else obj
+        params = set(inspect.signature(target).parameters)
+        assert set(names) <= params, f"{obj.__name__}: documents {sorted(set(names) - params)}, takes {sorted(params)}"
+        checked += 1
+    assert checked >= 10
+    assert _documented_arguments(inspect.getdoc(autocast.load_policy)) == ["source"]
+
+
+# The pages whose API tables quote full signatures (docs/loss-scaling.md's
+# `optimizer_update(...)` lacks its `key=None` and is not checked yet).
+SIGNATURE_PAGES = ["docs/policies.md", "docs/debugging.md"]
+
+
+def _quoted_signatures():
+    """``(page, name, parameter list)`` of each ``name(...)`` that opens the first cell of a
+    table row of :data:`SIGNATURE_PAGES` (the pages' API tables), ``...`` elisions aside."""
+    for page in SIGNATURE_PAGES:
+        for m in re.finditer(r"^\| `(\w+)\(([^`]*)\)`", (ROOT / page).read_text(), re.M):
+            if "..." not in m.group(2) and callable(getattr(autocast, m.group(1), None)):
+                yield page, m.group(1), m.group(2)
+
+
+def test_signatures_quoted_in_the_docs_are_the_codes():
+    import ast
+
+    checked = []
+    for page, name, quoted in _quoted_signatures():
+        fn = getattr(autocast, name)
+        real = inspect.signature(fn).parameters
+        args = ast.parse(f"def f({quoted}): pass").body[0].args
+        params = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+        assert [a.arg for a in params] == list(real), f"{page}: {name}({quoted}) vs {name}{inspect.signature(fn)}"
+        defaults = dict(zip([a.arg for a in [*args.posonlyargs, *args.args]][::-1], args.defaults[::-1]))
+        defaults |= {a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None}
+        for arg, node in defaults.items():
+            assert eval(ast.unparse(node), {"jnp": jnp}) == real[arg].default, f"{page}: {name}: {arg}"
+        checked.append(name)
+    assert {"amp", "explain", "find_overflow", "load_policy"} <= set(checked), checked
