@@ -155,18 +155,35 @@ def test_an_unknown_keyword_is_named_with_the_options():
 
 
 def _documented_arguments(doc: str) -> list[str]:
-    """The argument names a ``**Arguments:**`` section lists: ``- `x`, `w`: ...`` items, or
-    ``**Arguments:** `x`: ...`` on its own line."""
-    match = re.search(r"\*\*Arguments:\*\*(.*?)(?:\n\s*\*\*\w|\n\s*Example|\Z)", doc, re.S)
-    if not match:
-        return []
+    """The argument names a docstring documents: in a ``**Arguments:**`` section
+    (``- `x`, `w`: ...`` items, or ``**Arguments:** `x`: ...`` on its own line) or in a
+    Google-style ``Args:`` section (``x: ...`` or ``x (type): ...`` items)."""
     names = []
-    first, *rest = match.group(1).splitlines()
-    for line in [first, *(line for line in rest if line.lstrip().startswith("- "))]:
-        item = re.match(r"\s*(?:-\s+)?((?:``?\w+``?,?\s*)+):", line)
-        if item:
-            names += re.findall(r"``?(\w+)``?", item.group(1))
+    match = re.search(r"\*\*Arguments:\*\*(.*?)(?:\n\s*\*\*\w|\n\s*Example|\Z)", doc, re.S)
+    if match:
+        first, *rest = match.group(1).splitlines()
+        for line in [first, *(line for line in rest if line.lstrip().startswith("- "))]:
+            item = re.match(r"\s*(?:-\s+)?((?:``?\w+``?,?\s*)+):", line)
+            if item:
+                names += re.findall(r"``?(\w+)``?", item.group(1))
+    match = re.search(r"^(?:Args|Arguments|Parameters):[ \t]*\n((?:[ \t]+\S.*\n?|[ \t]*\n)+)", doc, re.M)
+    if match:
+        lines = [line for line in match.group(1).splitlines() if line.strip()]
+        indent = min(len(line) - len(line.lstrip()) for line in lines)
+        for line in lines:
+            item = re.match(r"\s*\*{0,2}(\w+)(?:\s*\([^)]*\))?\s*:", line)
+            if item and len(line) - len(line.lstrip()) == indent:
+                names.append(item.group(1))
     return names
+
+
+def test_documented_arguments_reads_both_docstring_styles():
+    assert _documented_arguments("Run.\n\n**Arguments:** `source`: a name.\n\n**Returns:** x") == ["source"]
+    assert _documented_arguments("Run.\n\n**Arguments:**\n\n- `x`, `w`: arrays.\n  ``None``: no.\n") == ["x", "w"]
+    google = (
+        "Run.\n\nArgs:\n    source: a name,\n        continued: here.\n    key (Array): a key.\n\nReturns:\n    x\n"
+    )
+    assert _documented_arguments(google) == ["source", "key"]
 
 
 def test_docstrings_name_only_real_arguments():
