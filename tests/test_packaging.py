@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_policies_found_from_this_install():
     files = {p.name for p in importlib.resources.files("autocast.policies").iterdir()}
-    assert {"default.toml", "matmul_only.toml", "README.md"} <= files
+    assert {"default.toml", "matmul_only.toml", "fp8.toml", "README.md"} <= files
 
 
 def test_wheel_ships_policies_and_runs_in_a_fresh_virtualenv(tmp_path):
@@ -38,6 +38,7 @@ def test_wheel_ships_policies_and_runs_in_a_fresh_virtualenv(tmp_path):
     assert {
         "autocast/policies/default.toml",
         "autocast/policies/matmul_only.toml",
+        "autocast/policies/fp8.toml",
         "autocast/policies/README.md",
         "autocast/py.typed",
     } <= names
@@ -57,6 +58,11 @@ def test_wheel_ships_policies_and_runs_in_a_fresh_virtualenv(tmp_path):
         + "), autocast.__file__;"
         "assert autocast.default_amp_policy[jax.lax.exp_p] is autocast.use_float32_precision;"
         "assert autocast.load_policy('matmul_only').name == 'matmul_only';"
+        # fp8.toml extends default.toml: resolved inside the installed package
+        "fp8 = autocast.load_policy('fp8');"
+        "assert fp8.name == 'fp8' and fp8[jax.lax.exp_p] is autocast.use_float32_precision;"
+        "assert fp8[jax.lax.dot_general_p] is not autocast.use_compute_precision;"
+        "assert autocast.optim.half_state is not None;"
         "f = autocast.amp(lambda w, x: x @ w);"
         "print(jax.make_jaxpr(f)(jnp.ones((3, 3)), jnp.ones((2, 3))))"
     )
