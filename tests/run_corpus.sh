@@ -6,7 +6,7 @@
 # only when pyproject.toml changes, with uv (.ci/venv.sh: about a minute from an empty cache,
 # uv's cache makes it seconds after that):
 #   .venv-corpus     gemma, keras-hub (installed --no-deps: see pyproject.toml), diffrax,
-#                    haiku, jraph, equimo, numpyro (and Equinox, Flax)
+#                    haiku, jraph, equimo, numpyro, jax-md, penzai, diffusers (and Equinox, Flax)
 #   .venv-corpus-rg  recurrentgemma: it pins typeguard<3, gemma 4.0.1's kauldron needs
 #                    typeguard>=4.4.1, and recurrentgemma's jaxtyping annotations do not
 #                    import under typeguard 4, so the two cannot share an environment.
