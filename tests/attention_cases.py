@@ -105,6 +105,30 @@ def wrong_axis_key(q, k, v):  # pytorch#195320: k transposed on the wrong axes (
     return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
 
 
+def where_neg_inf(q, k, v):  # a -inf fill is exact where the constant mask leaves no row empty
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
+
+
+def additive_traced(q, k, v, keep):  # Hugging Face style: (1 - mask) * -1e9 from a traced mask
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    s = s + (1.0 - keep[:, None, None, :]) * -1e9
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
+
+
+def query_padding(q, k, v, lengths):  # queries past the length masked, the output not zeroed
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    pos = jnp.arange(T)
+    keep = (pos[None, :, None] < lengths[:, None, None]) & (pos[None, None, :] < lengths[:, None, None])
+    s = jnp.where(keep[:, None], s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
+
+
+def two_layers(q, k, v):
+    return einsum_where(einsum_where(q, k, v), k, v)
+
+
 # --- near misses ------------------------------------------------------------------------
 
 
@@ -297,6 +321,20 @@ MATCHES = [
     Case("causal_t_ne_s", _qkv_case(einsum_where, s=2 * T), MaskKind.MASK),
     Case("cross_t_ne_s", _qkv_case(bnth_matmul, s=2 * T), MaskKind.NONE),
     Case("wrong_axis_key", _qkv_case(wrong_axis_key), MaskKind.NONE, expect=_roles(k="BNSH")),
+    Case("where_neg_inf", _qkv_case(where_neg_inf), MaskKind.CAUSAL),
+    Case(
+        "additive_traced", _qkv_case(additive_traced, np.array([[1, 1, 1, 0], [1, 1, 1, 1]], np.float32)), MaskKind.BIAS
+    ),
+    Case("query_padding", _qkv_case(query_padding, _lengths()), MaskKind.KV_LENGTHS | MaskKind.MASK),
+    Case(
+        "jaxnn_bias_mask",
+        _qkv_case(
+            lambda q, k, v, b, m: jax.nn.dot_product_attention(q, k, v, bias=b, mask=m),
+            _rand(B, N, T, T, seed=13),
+            _traced_bool_mask(False)[:, None],
+        ),
+        MaskKind.BIAS | MaskKind.MASK,
+    ),
 ]
 
 LEFT_ALONE = [
@@ -382,6 +420,11 @@ def evaluate(jaxpr: Any, args: Sequence[Any], matches: Sequence[Any] = (), imple
     return [read(v) for v in open_.outvars]
 
 
+def replaced(jaxpr: Any, matches: Sequence[Any] = ()) -> Callable[..., list[Any]]:
+    """``jaxpr`` as a function, each match's equations replaced by its call."""
+    return lambda *args: evaluate(jaxpr, args, matches)
+
+
 def is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
@@ -420,12 +463,12 @@ def measure() -> None:
     print(f"JAX {jax.__version__}, {jax.devices()[0].device_kind}")
     for case in MATCHES:
         tr = traced(case)
-        ref = [np.asarray(x) for x in value_and_grads(lambda *xs: evaluate(tr.jaxpr, xs), tr.leaves)]
+        ref = [np.asarray(x) for x in value_and_grads(replaced(tr.jaxpr), tr.leaves)]
         row = []
         for dtype in ("bfloat16", "float16"):
             eps = float(jnp.finfo(dtype).eps)
             found = [r for r in attention.find(tr.jaxpr, compute_dtype=dtype) if isinstance(r, attention.Match)]
-            new = value_and_grads(lambda *xs: evaluate(tr.jaxpr, xs, found), tr.leaves)
+            new = value_and_grads(replaced(tr.jaxpr, found), tr.leaves)
             half = value_and_grads(tr.fn, [x.astype(dtype) if is_float(x) else x for x in tr.leaves])
             row.append(
                 f"{dtype}: original {max(errors(half, ref)) / eps:.2f} eps, rewrite {max(errors(new, ref)) / eps:.2f} eps"

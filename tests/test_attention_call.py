@@ -11,16 +11,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import MATCHES, B, H, N, einsum_where, errors, evaluate, traced, value_and_grads
+from attention_cases import (
+    MATCHES,
+    B,
+    H,
+    N,
+    T,
+    einsum_where,
+    errors,
+    evaluate,
+    replaced,
+    traced,
+    two_layers,
+    value_and_grads,
+)
 
 from autocast import _attention as attention
-from autocast._attention import _call, _layout
+from autocast._attention import _call, _graph, _layout
 
 
 @functools.cache
 def _float32(case):
     tr = traced(case)
-    return [np.asarray(x) for x in value_and_grads(lambda *xs: evaluate(tr.jaxpr, xs), tr.leaves)]
+    return [np.asarray(x) for x in value_and_grads(replaced(tr.jaxpr), tr.leaves)]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -35,7 +48,7 @@ def test_call_computes_the_replaced_equations(case, dtype):
     matches = [r for r in attention.find(tr.jaxpr, compute_dtype=dtype) if isinstance(r, attention.Match)]
     assert len(matches) == 1
     ref = _float32(case)
-    new = value_and_grads(lambda *xs: evaluate(tr.jaxpr, xs, matches), tr.leaves)
+    new = value_and_grads(replaced(tr.jaxpr, matches), tr.leaves)
     assert all(np.all(np.isfinite(n)) for n in new)
     eps = float(jnp.finfo(dtype).eps)
     assert max(errors(new, ref)) <= 3 * eps, [f"{e / eps:.2f}" for e in errors(new, ref)]
@@ -54,20 +67,20 @@ def _padded_case(t):
     return fn, [q, k, v, mask]
 
 
-@pytest.mark.parametrize("multiple", [2, 8])
-def test_padded_sequences_compute_the_same(multiple):
+def test_padded_sequences_compute_the_same():
     """Odd lengths (a vision transformer's 197 tokens) padded for cuDNN: padded keys masked,
-    padded queries sliced off, the mask padded to match."""
-    fn, args = _padded_case(7)
+    padded queries sliced off, the mask padded to match; values and gradients."""
+    fn, args = _padded_case(T + 1)
     jaxpr = jax.make_jaxpr(fn)(*args)
     (m,) = attention.find(jaxpr, compute_dtype=jnp.bfloat16)
     assert m.mask.kind == attention.MaskKind.CAUSAL | attention.MaskKind.MASK
-    padded = attention.pad_sequences(m, multiple)
-    assert padded.seq_multiple == multiple and "padded to a multiple" in padded.describe()
-    plain = value_and_grads(lambda *xs: evaluate(jaxpr, xs, [m]), args)
-    pad = value_and_grads(lambda *xs: evaluate(jaxpr, xs, [padded]), args)
-    for a, b in zip(plain, pad):
-        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2)
+    ref = [np.asarray(x) for x in value_and_grads(replaced(jaxpr), args)]
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
+    for multiple in (2, 2 * T):  # both pad T + 1 to 2 T
+        padded = attention.pad_sequences(m, multiple)
+        assert padded.seq_multiple == multiple and "padded to a multiple" in padded.describe()
+        new = value_and_grads(replaced(jaxpr, [padded]), args)
+        assert max(errors(new, ref)) <= 3 * eps, multiple
     with pytest.raises(ValueError, match="multiple=0"):
         attention.pad_sequences(m, 0)
 
@@ -118,9 +131,14 @@ def test_platform_dependent_runs_the_default_off_cuda():
     want = np.asarray(default(*tr.leaves)[0])
     if jax.default_backend() != "cpu":
         want = want - 0.5
-    np.testing.assert_allclose(np.asarray(jax.jit(f)(*tr.leaves)), want, rtol=2e-2, atol=2e-2)
-    g = jax.grad(lambda q: jnp.sum(f(q, *tr.leaves[1:])))(tr.leaves[0])
+
+    @jax.jit
+    def value_and_grad(q, k, v):
+        return f(q, k, v), jax.grad(lambda q: jnp.sum(f(q, k, v)))(q)
+
+    got, g = value_and_grad(*tr.leaves)
     g_ref = jax.grad(lambda q: jnp.sum(einsum_where(q, *tr.leaves[1:])))(tr.leaves[0])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=2e-2, atol=2e-2)
 
 
@@ -141,3 +159,24 @@ def test_side_values_reach_the_kernel_layout():
     mask = np.broadcast_to(mask, [d if a == lay.s else 1 for a, d in enumerate(lay.lout_shape)])
     out = _layout.side_to_kernel(jnp.asarray(mask), lay)
     assert out.shape == (1, 1, lay.lout_shape[lay.t], lay.lout_shape[lay.s])
+
+
+def test_two_attentions_replaced_in_one_jaxpr():
+    q, k, v = (np.random.default_rng(i).standard_normal((B, T, N, H)).astype(np.float32) for i in range(3))
+    jaxpr = jax.make_jaxpr(two_layers)(q, k, v)
+    matches = attention.find(jaxpr, compute_dtype=jnp.bfloat16)
+    ref = [np.asarray(evaluate(jaxpr, [q, k, v])[0])]
+    new = evaluate(jaxpr, [q, k, v], matches)
+    assert len(matches) == 2 and max(errors(new, ref)) <= 3 * float(jnp.finfo(jnp.bfloat16).eps)
+
+
+def test_a_constant_mask_too_large_to_fold(monkeypatch):
+    """Past ``FOLD_LIMIT`` elements a constant mask is not evaluated at trace time: it goes
+    to the kernel as a mask the rewrite computes, and the result is the same."""
+    monkeypatch.setattr(_graph, "FOLD_LIMIT", 4)
+    q, k, v = (np.random.default_rng(i).standard_normal((B, T, N, H)).astype(np.float32) for i in range(3))
+    jaxpr = jax.make_jaxpr(einsum_where)(q, k, v)
+    (m,) = attention.find(jaxpr, compute_dtype=jnp.bfloat16)
+    assert m.mask.kind == attention.MaskKind.MASK and m.mask.may_empty
+    ref = [np.asarray(evaluate(jaxpr, [q, k, v])[0])]
+    assert max(errors(evaluate(jaxpr, [q, k, v], [m]), ref)) <= 3 * float(jnp.finfo(jnp.bfloat16).eps)

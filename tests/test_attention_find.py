@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import LEFT_ALONE, MATCHES, SOFTMAX_FORMS, B, H, N, T, einsum_where, traced
+from attention_cases import LEFT_ALONE, MATCHES, SOFTMAX_FORMS, B, H, N, T, einsum_where, traced, two_layers
 
 from autocast import _attention as attention
 from autocast import _compat, _walk
-from autocast._attention import LeftAlone, MaskKind, Match
+from autocast._attention import LeftAlone, MaskKind, Match, _roles
 
 
 @pytest.mark.parametrize("form", SOFTMAX_FORMS)
@@ -135,3 +135,33 @@ def test_bad_arguments_are_named():
         attention.find(jaxpr, compute_dtype=jnp.float32)
     with pytest.raises(ValueError, match=r"max_head_dim=4"):
         attention.find(jaxpr, compute_dtype=jnp.float16, max_head_dim=4)
+
+
+def test_two_attentions_in_one_jaxpr():
+    """Two layers: two disjoint spans, the second reading the first's output."""
+    qkv = [np.ones((B, T, N, H), np.float32)] * 3
+    jaxpr = jax.make_jaxpr(two_layers)(*qkv)
+    first, second = attention.find(jaxpr, compute_dtype=jnp.bfloat16)
+    assert isinstance(first, Match) and isinstance(second, Match)
+    assert not set(first.eqns) & set(second.eqns) and max(first.eqns) < min(second.eqns)
+    assert second.inputs[second.q.input] == first.outputs[0]
+
+
+def test_a_half_precision_program():
+    """A program written in bfloat16 (scores, fill and softmax in bfloat16) is matched."""
+    qkv = [np.ones((B, T, N, H), jnp.bfloat16)] * 3
+    (m,) = attention.find(jax.make_jaxpr(einsum_where)(*qkv), compute_dtype=jnp.float16)
+    assert m.mask.kind == MaskKind.CAUSAL and m.q.dtype == jnp.bfloat16 and m.compute_dtype == jnp.float16
+
+
+def test_an_unexpected_error_leaves_the_attention_alone(monkeypatch):
+    """The recogniser never fails amp's trace: an error inside it is a reason."""
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(_roles, "product", broken)
+    (res,) = attention.find(
+        jax.make_jaxpr(einsum_where)(*[np.ones((B, T, N, H), np.float32)] * 3), compute_dtype=jnp.bfloat16
+    )
+    assert isinstance(res, LeftAlone) and res.reason == "not recognised (RuntimeError: boom)"

@@ -46,7 +46,10 @@ def find(
     out: list[Match | LeftAlone] = []
     taken: set[int] = set()
     for sm in find_softmaxes(g):
-        res = _one(g, sm, dtype, max_head_dim)
+        try:
+            res = _one(g, sm, dtype, max_head_dim, frozenset(taken))
+        except Exception as e:  # a jaxpr the recogniser does not know: never fail amp's trace
+            res = LeftAlone(sm.top, _guess(sm), f"not recognised ({type(e).__name__}: {e})")
         if isinstance(res, Match) and taken & set(res.eqns):
             res = LeftAlone(sm.top, res.idiom, "overlaps another attention span")
         if isinstance(res, Match):
@@ -75,7 +78,7 @@ def _guess(sm: Softmax) -> str:
     return "einsum + softmax" + ("" if sm.form == "inline" else f" [softmax in {sm.form}]")
 
 
-def _one(g: Graph, sm: Softmax, dtype: np.dtype, max_head_dim: int) -> Match | LeftAlone | None:
+def _one(g: Graph, sm: Softmax, dtype: np.dtype, max_head_dim: int, taken: frozenset[int]) -> Match | LeftAlone | None:
     reasons = []
     for n, steps in _scores.paths(g, sm.x):
         try:
@@ -88,7 +91,7 @@ def _one(g: Graph, sm: Softmax, dtype: np.dtype, max_head_dim: int) -> Match | L
             reasons.append(str(e))
             continue
         try:
-            return _build(g, sm, steps, scores, prod, dtype, max_head_dim)
+            return _build(g, sm, steps, scores, prod, dtype, max_head_dim, taken)
         except _scores.Rejected as e:  # the product found; left alone if p feeds a product
             return LeftAlone(sm.top, _guess(sm), str(e)) if _feeds_product(g, sm.p) else None
     if reasons and _feeds_product(g, sm.p):
@@ -121,11 +124,12 @@ def _build(
     prod: _roles.Product,
     dtype: np.dtype,
     max_head_dim: int,
+    taken: frozenset[int],
 ) -> Match:
     vp = _roles.value_product(g, sm.p, scores.amap, prod)
-    qp = _roles.peel(g, prod.q, scale=True, repeat=False)
-    kp = _roles.peel(g, prod.k, scale=True, repeat=True)
-    vv = _roles.peel(g, vp.v, scale=False, repeat=True)
+    qp = _roles.peel(g, prod.q, scale=True, repeat=False, taken=taken)
+    kp = _roles.peel(g, prod.k, scale=True, repeat=True, taken=taken)
+    vv = _roles.peel(g, vp.v, scale=False, repeat=True, taken=taken)
     repeat = None
     if kp.repeat and vv.repeat:
         ka, kt = kp.repeat
@@ -133,15 +137,15 @@ def _build(
         if prod.k_map[ka] == vp.v_map[va] and kt == vt:
             repeat = (prod.k_map[ka], kt)
     if repeat is None and (kp.repeat or vv.repeat):
-        kp = _roles.peel(g, prod.k, scale=True, repeat=False)
-        vv = _roles.peel(g, vp.v, scale=False, repeat=False)
+        kp = _roles.peel(g, prod.k, scale=True, repeat=False, taken=taken)
+        vv = _roles.peel(g, vp.v, scale=False, repeat=False, taken=taken)
     layout = _layout_of(g, prod, vp, qp, kp, vv, repeat)
     parts = _mask.classify(g, scores, layout)
     out_id, out_amap, tail, q_routed = _tail(g, g.nodes[vp.node].outs[0], vp.out_amap, parts.q_len, layout)
     layout = _replace_out(layout, out_amap)
     mask, const_mask = _mask.finish(parts, layout, q_routed)
     if parts.q_len is not None and not q_routed:  # an ordinary mask, then
-        parts.masks.append(parts.q_len.side)
+        parts.masks.append(parts.q_len.leaf)
         parts.q_len = None
     _check_shapes(g, qp, vv, layout, max_head_dim)
 
@@ -314,6 +318,7 @@ def _program(g: Graph, roots: list[int], tops: set[int], core: set[int]) -> tupl
     inputs: list[int] = []
     consts: dict[int, Any] = {}
     picked: set[int] = set()
+    operands = set(roots[:3])  # q, k and v are inputs even where constant
     stack = list(reversed(roots))
     seen: set[int] = set()
     while stack:
@@ -323,19 +328,18 @@ def _program(g: Graph, roots: list[int], tops: set[int], core: set[int]) -> tupl
         seen.add(i)
         n = g.producer.get(i)
         if n is None or g.nodes[n].top not in tops:
-            if g.is_const(i):
+            if i not in operands and (g.known(i) or g.foldable(i)):
                 consts[i] = g.value(i)
-            elif i not in inputs:
+            elif i in g.var_of_id:
                 inputs.append(i)
+            else:
+                raise _scores.Rejected("an operand of the attention is computed where the rewrite cannot read it")
             continue
         if n in core:
             raise _scores.Rejected("a mask or bias depends on the scores")
         picked.add(n)
         stack.extend(a for a in g.nodes[n].ins if isinstance(a, int))
     return tuple(inputs), [g.nodes[n] for n in sorted(picked)], consts
-
-
-_ROLE = {"batch": "B", "heads": "N", "groups": "G"}
 
 
 def _operand(

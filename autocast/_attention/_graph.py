@@ -43,6 +43,12 @@ _RANDOM = frozenset(
 )
 
 
+FOLD_LIMIT = 1 << 26
+"""The most elements a constant mask or bias may have to be evaluated at trace time (a
+causal mask of 8192 x 8192 booleans, 64 MiB); a larger one is computed by the rewrite
+like a traced one."""
+
+
 @dataclass(frozen=True)
 class Lit:
     """A literal operand: its value and abstract value."""
@@ -231,6 +237,14 @@ class Graph:
     def is_const(self, atom: Atom) -> bool:
         return not isinstance(atom, int) or atom in self.const_ids
 
+    def foldable(self, atom: Atom) -> bool:
+        """A constant small enough to evaluate at trace time (:data:`FOLD_LIMIT` elements)."""
+        return self.is_const(atom) and int(np.prod(self.shape(atom), dtype=np.int64)) <= FOLD_LIMIT
+
+    def known(self, i: int) -> bool:
+        """Whether ``i`` has a value given to the graph (a constant of the jaxpr or a body)."""
+        return i in self._consts
+
     def n_readers(self, i: int) -> int:
         """How many times ``i`` is read (by nodes, and once more if the jaxpr returns it)."""
         return len(self.readers.get(i, ())) + (i in self.outside)
@@ -274,22 +288,6 @@ class Graph:
                 if isinstance(a, int) and a not in self._consts and a not in self._values:
                     stack.append(a)
         return seen
-
-    def dag(self, roots: Iterable[int], stop: set[int]) -> list[int]:
-        """The node indices, in order, that compute ``roots`` from the ids in ``stop`` (and
-        constants); raises ``KeyError`` if a root depends on an input outside ``stop``."""
-        seen: set[int] = set()
-        stack = [r for r in roots if r not in stop]
-        while stack:
-            i = stack.pop()
-            if i in stop or i in self._consts:
-                continue
-            n = self.producer[i]  # KeyError: an input the caller did not allow
-            if n in seen:
-                continue
-            seen.add(n)
-            stack.extend(a for a in self.nodes[n].ins if isinstance(a, int))
-        return sorted(seen)
 
 
 def evaluate(nodes: Sequence[Node], env: dict[int, Any]) -> dict[int, Any]:

@@ -50,10 +50,11 @@ def peel_layout(g: Graph, atom: Atom, amap: _layout.AxisMap) -> tuple[Atom, _lay
 @dataclass
 class Length:
     """``iota < n`` along the score axis ``axis``: ``n`` (its root after layout
-    equations) and its axis map."""
+    equations) and its axis map (``side``), and the comparison itself as a mask (``leaf``)."""
 
     axis: int
     side: Side
+    leaf: Side
 
 
 @dataclass
@@ -79,7 +80,7 @@ def classify(g: Graph, scores: Scores, layout: Layout) -> Parts:
     for w in scores.wheres:
         parts.fills.append(float(w.fill))
         for atom, amap, positive in _conjuncts(g, w.pred, w.amap, w.keep):
-            if g.is_const(atom):
+            if g.foldable(atom):
                 val = np.asarray(g.value(atom), bool)
                 _and_const(parts, _layout.to_scores(val if positive else ~val, amap, rank))
                 continue
@@ -98,10 +99,10 @@ def _and_const(parts: Parts, val: np.ndarray) -> None:
 
 
 def _bias(g: Graph, b: Bias, rank: int, parts: Parts) -> None:
-    if not g.is_const(b.atom):
+    root, amap = peel_layout(g, b.atom, b.amap)
+    if not g.foldable(root):
         parts.biases.append(Side(b.atom, b.amap, b.coef))  # type: ignore[arg-type]
         return
-    root, amap = peel_layout(g, b.atom, b.amap)
     with np.errstate(all="ignore"):
         val = _layout.to_scores(np.asarray(g.value(root), np.float32) * np.float32(b.coef), amap, rank)
     if np.all(val == 0):
@@ -117,7 +118,7 @@ def _conjuncts(g: Graph, atom: Atom, amap: _layout.AxisMap, positive: bool) -> l
     """``atom`` (kept where it equals ``positive``) as a conjunction of leaves."""
     atom, amap = peel_layout(g, atom, amap)
     node = g.node_of(atom)
-    if node is None or g.is_const(atom):
+    if node is None or g.foldable(atom):
         return [(atom, amap, positive)]
     if node.name == "not":
         return _conjuncts(g, node.ins[0], amap, not positive)
@@ -139,10 +140,12 @@ def length(g: Graph, atom: Atom, amap: _layout.AxisMap, positive: bool, layout: 
         return None
     i_iota, i_len = _KEEP_LESS[(node.name, positive)]
     iota, n = node.ins[i_iota], node.ins[i_len]
-    if not g.is_const(iota) or g.is_const(n) or not np.issubdtype(np.dtype(g.aval(n).dtype), np.integer):
+    if g.is_const(n) or not np.issubdtype(np.dtype(g.aval(n).dtype), np.integer):
         return None
     rank = len(layout.lout_shape)
     root, iamap = peel_layout(g, iota, amap)
+    if not g.foldable(root):
+        return None
     val = _layout.to_scores(np.asarray(g.value(root)), iamap, rank)
     for axis in (layout.s, layout.t):
         size = layout.lout_shape[axis]
@@ -158,7 +161,7 @@ def length(g: Graph, atom: Atom, amap: _layout.AxisMap, positive: bool, layout: 
             nroot, namap = peel_layout(g, n, amap)
             nshape = g.shape(nroot)
             if all(s == 1 or m in layout.batch for s, m in zip(nshape, namap)):
-                return Length(axis, Side(nroot, namap))  # type: ignore[arg-type]
+                return Length(axis, Side(nroot, namap), Side(atom, amap, 1.0 if positive else -1.0))  # type: ignore[arg-type]
             return None
     return None
 

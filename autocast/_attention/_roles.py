@@ -173,14 +173,15 @@ class Peeled:
     repeat: tuple[int, int] | None = None  # (operand axis, times) of a repeated heads axis
 
 
-def peel(g: Graph, atom: Atom, *, scale: bool, repeat: bool) -> Peeled:
+def peel(g: Graph, atom: Atom, *, scale: bool, repeat: bool, taken: frozenset[int] = frozenset()) -> Peeled:
     """Trace ``atom`` back through ``transpose``, float ``convert_element_type``, constant
     scalar ``mul``/``div`` (``scale``) and a ``jnp.repeat`` of one axis (``repeat``):
-    each a top-level equation whose result only the next one reads."""
+    each a top-level equation whose result only the next one reads, and that no earlier
+    span holds (``taken``)."""
     out = Peeled(atom, tuple(range(len(g.shape(atom)))))
     while isinstance(out.src, int) and g.n_readers(out.src) == 1:
         node = g.node_of(out.src)
-        if node is None or len(g.top_nodes[node.top]) != 1:
+        if node is None or len(g.top_nodes[node.top]) != 1 or node.top in taken:
             break
         n = g.producer[out.src]
         name = node.name

@@ -96,6 +96,8 @@ def uniform(g: Graph, atom: Atom) -> Any | None:
     root = atom
     while (node := g.node_of(root)) is not None and node.name in _LAYOUT:
         root = node.ins[0]
+    if not g.foldable(root):
+        return None
     val = np.asarray(g.value(root))
     if val.size == 0 or not np.all(val == val.reshape(-1)[0]):
         if not (val.size and np.all(np.isnan(val))):
