@@ -25,9 +25,10 @@ Sharp edges:
   computed ones when an operation harmonises dtypes (``use_input_precision``): this keeps a
   float32 bias from dragging a half-precision activation to float32.
 - Custom derivatives (``custom_jvp`` / ``custom_vjp``): the body and the rules run in the
-  dtypes their operands arrive in, under the same policy; the user's ``bwd`` is called
-  with the residuals and cotangents as they arrive (adapted at its boundary if it cannot
-  take them). See :mod:`autocast._higher_order`.
+  dtypes their operands arrive in, under the same policy; the user's ``bwd`` is traced in the
+  traced dtypes and re-evaluated under the same policy (``custom_vjp_bwd="amp"``, the
+  default), or called as written on the residuals and cotangents as they arrive
+  (``"original"``). See :mod:`autocast._custom_derivatives`.
 - Loop carries keep the dtype the initial value arrives in (a float32 one made from
   parameters or inputs that the body turns half starts half, as unrolled); branch outputs that differ
   between ``cond`` branches are cast back to their traced dtype.

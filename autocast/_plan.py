@@ -366,7 +366,7 @@ def _plan(
                 passes_on = (
                     eqn.primitive.name in LAYOUT and len(eqn.invars) == 1 and any(v in selected for v in float_outs)
                 )
-                if _reads_each_once(eqn):
+                if reads_each_once(eqn):
                     steps[i] = Step(RULE, _rules.select_in_float32)
                 elif not passes_on:
                     steps[i] = Step(RULE, _rules.use_float32_precision)
@@ -391,7 +391,7 @@ def _plan(
     return _Analysis(steps, island, wants32, narrow, selected)
 
 
-def _reads_each_once(eqn: Any) -> bool:
+def reads_each_once(eqn: Any) -> bool:
     """Whether ``eqn`` only selects a part of its operand, reading each element at most once
     (a slice; a gather with unique indices or a single index tuple per batch element:
     ``take_along_axis`` of one label per row): it commutes with any rounding and its
@@ -469,12 +469,10 @@ def _islands(
 
 # A float32-only call stays out of an island whose result a matmul reads into an output this
 # many times larger than the call's input (an LM head's logits after the final layer norm).
-# Measured (see ``_widens``), with its known limit: matmuls inside a transformer block read a
-# norm into outputs 3x (QKV), 4x (MLP) and up to 8x (Gemma's 16384-wide GeGLU over 2048)
-# wider, which join; GPT-2's head is 65x (50257 / 768), Gemma's 125x. A head narrower than
-# 8x its width (Llama-2-7B's 32000 / 4096 = 7.8x) joins its island: its logits-sized buffer
-# then shows in the GPU peak as it did for GPT-2 before this threshold (16.7 -> 19.9 GiB at
-# batch x4, H100 target, 2026-11-25).
+# Measured (``_widens``), with a known limit: in-block matmuls read a norm into outputs 3x
+# (QKV), 4x (MLP), up to 8x (Gemma's GeGLU) wider and join; GPT-2's head is 65x, Gemma's 125x.
+# A head under 8x (Llama-2-7B: 32000 / 4096 = 7.8x) joins its island, and its logits-sized
+# buffer shows in the GPU peak as GPT-2's did (16.7 -> 19.9 GiB at x4, H100 target, 2026-11-25).
 _WIDENING = 8
 
 

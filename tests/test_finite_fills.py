@@ -1,0 +1,123 @@
+"""Finite where float32 is finite (issue 42): a mask fill or additive bias that amp narrows to
+half precision never becomes an infinity, whatever holds it; a genuine activation that
+overflows stays visible.
+
+A published named-axis library fills masked logits with ``masked_out_value =
+jnp.array(-2.3819763e38, float32)``, a pytree field applied through ``vmap(jnp.where)``. With
+left padding a query row is fully masked: float32 gives a uniform softmax there; float16 turned
+the fill into ``-inf`` and the loss into NaN. The rule (docs/how-it-works.md): a free value (a
+function input, a closure constant, a parameter or pytree field, a literal, or data movement of
+those) that a selecting operation (``where``, ``max``, ``clamp``, ...) narrows saturates to the
+half dtype's largest finite value; additive biases before a softmax are summed in float32.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autocast
+
+HALVES = [jnp.float16, jnp.bfloat16]
+B, T, D = 2, 8, 16
+FILL = -2.3819763e38
+# left padding: batch 0 has 3 padding tokens; their query rows (and key columns) are masked
+VALID = np.arange(T)[None, :] >= np.array([3, 0])[:, None]
+MASK = VALID[:, None, :] & VALID[:, :, None]
+
+
+def _inputs():
+    k = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(k[0], (B, T, D))
+    params = {"q": jax.random.normal(k[1], (D, D)) / 4, "k": jax.random.normal(k[2], (D, D)) / 4}
+    v = jax.random.normal(k[3], (B, T, D))
+    return params, x, v
+
+
+def _scores(params, x):
+    return jnp.einsum("btd,bsd->bts", x @ params["q"], x @ params["k"])
+
+
+def _attend(s, v):
+    return jnp.sum(jnp.einsum("bts,bsd->btd", jax.nn.softmax(s, axis=-1), v) ** 2)
+
+
+class _Masker(eqx.Module):
+    masked_out_value: jax.Array  # a pytree field, as the named-axis library holds it
+
+    def __call__(self, s):
+        return jax.vmap(lambda m, si: jnp.where(m, si, self.masked_out_value))(jnp.asarray(MASK), s)
+
+
+_CLOSURE_FILL = jnp.array(FILL, jnp.float32)
+_BIAS = jnp.where(jnp.asarray(MASK), 0.0, -1e9).astype(jnp.float32)
+
+# holder -> loss(params, x, v, extra)
+HOLDERS = {
+    "literal": lambda p, x, v, e: _attend(jnp.where(MASK, _scores(p, x), FILL), v),
+    "closure constant": lambda p, x, v, e: _attend(jnp.where(MASK, _scores(p, x), _CLOSURE_FILL), v),
+    "argument": lambda p, x, v, e: _attend(jnp.where(MASK, _scores(p, x), e), v),
+    "pytree field through vmap(where)": lambda p, x, v, e: _attend(e(_scores(p, x)), v),
+    "inside a jit": lambda p, x, v, e: _attend(jax.jit(jnp.where)(MASK, _scores(p, x), e), v),
+    "additive bias argument": lambda p, x, v, e: _attend(_scores(p, x) + e, v),
+    "additive bias closure": lambda p, x, v, e: _attend(_scores(p, x) + _BIAS, v),
+    "additive bias through vmap": lambda p, x, v, e: jax.vmap(lambda s, b, vv: _attend((s + b)[None], vv[None]))(
+        _scores(p, x), e, v
+    ).sum(),
+}
+EXTRA = {
+    "argument": jnp.array(FILL, jnp.float32),
+    "pytree field through vmap(where)": _Masker(jnp.array(FILL, jnp.float32)),
+    "inside a jit": jnp.array(FILL, jnp.float32),
+    "additive bias argument": _BIAS,
+    "additive bias through vmap": _BIAS,
+}
+
+
+@pytest.mark.parametrize("holder", list(HOLDERS))
+@pytest.mark.parametrize("dtype", HALVES)
+def test_fully_masked_rows_stay_finite_whatever_holds_the_fill(holder, dtype):
+    loss = HOLDERS[holder]
+    params, x, v = _inputs()
+    extra = EXTRA.get(holder)
+    ref, gref = jax.value_and_grad(loss)(params, x, v, extra)
+    assert np.isfinite(float(ref))  # float32: a uniform softmax on the masked rows
+    val, g = jax.value_and_grad(autocast.amp(loss, compute_dtype=dtype))(params, x, v, extra)
+    assert np.isfinite(float(val)), f"{holder}: {float(val)} where float32 gives {float(ref)}"
+    tol = 3e-2 if dtype == jnp.bfloat16 else 5e-3
+    assert abs(float(val) - float(ref)) <= tol * abs(float(ref)), (float(val), float(ref))
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gref)):
+        assert bool(jnp.all(jnp.isfinite(a)))
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 5 * tol
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_a_fill_in_a_max_or_clamp_saturates_too(dtype):
+    """``max(x, floor)`` / ``clamp`` with a float32 bound held as an argument."""
+
+    def loss(p, x, lo):
+        s = jnp.maximum(_scores(p, x), lo)
+        return jnp.sum(jnp.clip(s, lo, -lo) ** 2)
+
+    params, x, _ = _inputs()
+    lo = jnp.array(FILL, jnp.float32)
+    val = autocast.amp(loss, compute_dtype=dtype)(params, x, lo)
+    assert np.isfinite(float(val)) and abs(float(val) - float(loss(params, x, lo))) < 0.05 * float(loss(params, x, lo))
+
+
+def test_a_genuine_overflow_stays_visible():
+    """A computed activation beyond float16's range still overflows (a loss scaler sees it,
+    find_overflow names it): only free values are saturated."""
+
+    def loss(p, x):
+        big = (x @ p["q"]) * 3e4  # a computed activation far beyond 65,504
+        return jnp.sum(jnp.where(jnp.abs(big) > 0, big, 0.0) ** 2)
+
+    params, x, _ = _inputs()
+    assert np.isfinite(float(loss(params, x)))
+    assert not np.isfinite(float(autocast.amp(loss, compute_dtype=jnp.float16)(params, x)))
+    findings = autocast.find_overflow(loss, compute_dtype=jnp.float16)(params, x)
+    assert any("overflow" in str(f).lower() or "inf" in str(f).lower() for f in findings), findings
