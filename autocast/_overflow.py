@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _dtypes, _walk
+from . import _compat, _cpu_matmul, _dtypes, _walk
 from ._amp import amp
 from ._explain import BACKWARD, _check_fn, _flat, gradients
 from ._options import AmpKwargs, AmpOptions, takes_amp_options
@@ -177,7 +177,7 @@ class _Checker:
             while bool(np.asarray(self.body(params["cond_jaxpr"], [*cconsts, *carry], scopes, here, bwd)[0])):
                 carry = self.body(params["body_jaxpr"], [*bconsts, *carry], scopes, here, bwd)
             return carry
-        outs = _compat.bind(prim, invals, dict(params))
+        outs = _cpu_matmul.bind(prim, invals, dict(params))
         if not _walk.bodies(eqn) and any(
             _walk.is_half(v.aval.dtype) for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype)
         ):
@@ -224,7 +224,7 @@ class _Checker:
                 jnp.stack([s[k] for s in steps]) if steps else jnp.zeros((0, *v.aval.shape), v.aval.dtype)
                 for k, v in enumerate(open_.outvars)
             ]
-        return _compat.bind(eqn.primitive, invals, dict(eqn.params))
+        return _cpu_matmul.bind(eqn.primitive, invals, dict(eqn.params))
 
     # --- the equation-local float32 reference ---------------------------------------------
 
@@ -250,7 +250,7 @@ class _Checker:
         ref_in = [_dtypes.cast(x, _dtypes.FLOAT32) if _walk.is_half(_dtypes.dtype_of(x)) else x for x in invals]
         params = {k: (_dtypes.FLOAT32 if _is_half_dtype(v) else v) for k, v in eqn.params.items()}
         try:
-            refs = _compat.bind(eqn.primitive, ref_in, params)
+            refs = _cpu_matmul.bind(eqn.primitive, ref_in, params)
         except Exception:  # noqa: BLE001 - a primitive that only exists in half precision
             return
         for out, ref in zip(outs, refs):
