@@ -108,7 +108,7 @@ def _primitives_by_name() -> dict[str, list[_compat.Primitive]]:
 
 
 _SHIPPED = "autocast.policies"
-_TOP_LEVEL = ("schema", "extends", "name", "description", "fallback", "primitives", "scopes")
+_TOP_LEVEL = ("schema", "extends", "name", "description", "fallback", "primitives", "scopes", "accumulation")
 
 
 def _shipped_names() -> list[str]:
@@ -173,11 +173,16 @@ def _merge(base: Mapping[str, Any], table: Mapping[str, Any]) -> dict[str, Any]:
     prims = {cat: [n for n in names if n not in moved] for cat, names in base.get("primitives", {}).items()}
     for cat, names in table.get("primitives", {}).items():
         prims[cat] = [*prims.get(cat, []), *names]
+    acc, base_acc = table.get("accumulation", {}), base.get("accumulation", {})
     out = {
         "schema": 1,
         "fallback": table.get("fallback", base.get("fallback", "original")),
         "primitives": {cat: names for cat, names in prims.items() if names},
         "scopes": {**base.get("scopes", {}), **table.get("scopes", {})},
+        "accumulation": {
+            "selects": sorted({*base_acc.get("selects", ()), *acc.get("selects", ())}),
+            "exceptions": {**base_acc.get("exceptions", {}), **acc.get("exceptions", {})},
+        },
     }
     for key in ("name", "description"):
         value = table.get(key, base.get(key) if key == "description" else None)
@@ -213,10 +218,31 @@ def table_categories(table: Mapping[str, Any], origin: str) -> tuple[dict[str, l
             raise ValueError(
                 f"policy {origin}: scope {scope!r} has unknown category {category!r}; allowed: {sorted(CATEGORIES)}."
             )
+    acc = table.get("accumulation", {})
+    if not isinstance(acc, Mapping) or set(acc) - {"selects", "exceptions"}:
+        raise ValueError(f"policy {origin}: [accumulation] takes 'selects' (a list) and 'exceptions' (a table).")
+    if not all(isinstance(n, str) for n in acc.get("selects", [])) or not all(
+        isinstance(r, str) and r for r in acc.get("exceptions", {}).values()
+    ):
+        raise ValueError(
+            f"policy {origin}: [accumulation].selects must list primitive names and .exceptions map each "
+            "name to the reason it does not accumulate in float32."
+        )
     fallback = table.get("fallback", "original")
     if fallback not in CATEGORIES:
         raise ValueError(f"policy {origin}: fallback {fallback!r} is not a category; allowed: {sorted(CATEGORIES)}.")
     return prims, scopes, fallback
+
+
+def accumulation(source: str | os.PathLike = "default") -> tuple[frozenset[str], dict[str, str]]:
+    """The ``[accumulation]`` table of a policy file (its ``extends`` chain applied): the
+    primitives that combine elements only by selecting one (exact in any precision), and
+    those that accumulate outside float32 under it, each with the reason
+    (``tests/test_accumulation.py`` reads it)."""
+    table, origin = _resolved_table(source)
+    table_categories(table, origin)
+    acc = table.get("accumulation", {})
+    return frozenset(acc.get("selects", ())), dict(acc.get("exceptions", {}))
 
 
 def load_policy(source: str | os.PathLike = "default") -> AmpPolicy:

@@ -14,6 +14,8 @@ same model written with ``jnp.sum`` (which amp always ran in float32): the refer
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ import pytest
 from helpers import walk
 
 import autocast
+from autocast import _compat, _policy
 
 HALVES = [jnp.float16, jnp.bfloat16]
 N, E, D = 4, 8000, 32  # 2,000 edges per node
@@ -168,3 +171,47 @@ def test_a_potential_trained_on_forces_matches_float32(dtype):
     tol = 3e-2 if dtype == jnp.bfloat16 else 5e-3
     assert _rel(val, ref) < tol, (float(val), float(ref))
     assert max(_rel(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gref))) < tol
+
+
+# A primitive whose name says it may combine several elements into one.
+_COMBINES = re.compile(
+    r"sum|prod|cum|accum|scatter|reduce(?!d)|dot|conv(?!ert)|logsumexp|window|segment|matmul|einsum|pmax|pmin"
+)
+
+
+@pytest.mark.parametrize("table", ["default", "fp8"])
+def test_every_accumulating_primitive_runs_in_float32_or_the_table_says_why(table):
+    """Walk every primitive this JAX defines: each one that combines elements runs in float32
+    under the shipped table, or its ``[accumulation]`` section lists it (``selects``: exact in
+    any precision; ``exceptions``: with the reason). A new JAX primitive whose name says it
+    combines elements fails here until it is placed."""
+    policy = autocast.load_policy(table)
+    selects, exceptions = _policy.accumulation(table)
+    unplaced = []
+    for name, prims in sorted(_compat.discover_primitives().items()):
+        if not _COMBINES.search(name) or name in selects or name in exceptions:
+            continue
+        roles = {getattr(policy.get(p), "role", None) for p in prims}
+        if roles != {"float32"}:
+            unplaced.append(f"{name} (rule role {sorted(map(str, roles))})")
+    assert not unplaced, (
+        "primitives that may accumulate, neither float32 nor listed in [accumulation] of "
+        f"policies/{table}.toml: {unplaced}"
+    )
+    assert all(len(reason) > 20 for reason in exceptions.values()), exceptions
+    # the float32 ones really are: a scatter-add of half-precision updates accumulates in float32
+    assert {getattr(policy.get(p), "role", None) for p in _compat.discover_primitives()["scatter-add"]} == {"float32"}
+
+
+def test_the_accumulation_table_names_only_primitives_it_may_list():
+    """A name the table lists as selecting or excepted is not also in the float32 category
+    (one answer per primitive), and the selecting ones really only select (reductions of max,
+    min, and/or/xor, arg-reductions, the scatters that overwrite or take extremes)."""
+    policy = autocast.load_policy("default")
+    selects, exceptions = _policy.accumulation("default")
+    assert not selects & set(exceptions)
+    by_name = _compat.discover_primitives()
+    for name in selects | set(exceptions):
+        for p in by_name.get(name, ()):
+            assert getattr(policy.get(p), "role", None) != "float32", name
+    assert all(re.search(r"max|min|arg|and|or|xor|^scatter$|select_and_gather", n) for n in selects), selects
