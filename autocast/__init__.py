@@ -13,6 +13,7 @@ from typing import Any as _Any
 from . import _higher_order, _hijax  # noqa: F401  (register the higher-order handlers)
 from . import optim as optim
 from ._amp import amp as amp
+from ._checkpoint import CheckpointError as CheckpointError
 from ._checkpoint import restore_train_state as restore_train_state
 from ._checkpoint import save_train_state as save_train_state
 from ._explain import Explanation as Explanation
@@ -32,6 +33,7 @@ from ._policy import extend_policy as extend_policy
 from ._policy import load_policy as load_policy
 from ._policy import register_rule as register_rule
 from ._policy import unregister_rule as unregister_rule
+from ._rules import Rule as Rule
 from ._rules import use_as_is as use_as_is
 from ._rules import use_compute_precision as use_compute_precision
 from ._rules import use_float32_precision as use_float32_precision
@@ -47,10 +49,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AmpPolicy",
+    "CheckpointError",
     "DynamicScalerState",
     "Explanation",
     "Finding",
     "NoOpScalerState",
+    "Rule",
     "StaticScalerState",
     "all_finite",
     "amp",

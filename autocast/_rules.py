@@ -77,10 +77,17 @@ class Rule:
         """The operands to bind with and the parameters. ``free[i]`` says operand ``i`` is a
         function input, a constant, a literal or only moved from them (None: unknown)."""
         with _free_operands(free):
-            return self(compute_dtype, original_dtypes, *invars, **params)  # type: ignore[return-value]
+            return self(compute_dtype, original_dtypes, *invars, **params)
 
-    def bind(self, ctx: Any, eqn: Any, arrived: Sequence[Any], cast: Sequence[Any], params: dict[str, Any],
-             free: Sequence[Any] | None) -> list[Any] | None:  # fmt: skip
+    def bind(
+        self,
+        ctx: Any,
+        eqn: Any,
+        arrived: Sequence[Any],
+        cast: Sequence[Any],
+        params: dict[str, Any],
+        free: Sequence[Any] | None,
+    ) -> list[Any] | None:
         """Bind the equation itself and return its outputs, or None (the default) to have the
         interpreter bind ``eqn.primitive`` on the cast operands. ``arrived``: the operands
         before :meth:`cast`; ``cast``: what it returned; ``ctx``: the interpreter's context
