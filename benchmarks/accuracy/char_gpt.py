@@ -9,8 +9,8 @@ batch order and AdamW with warm-up and cosine decay, and runs under
 ``autocast.amp(compute_dtype=bfloat16)``:
 
 - ``f32-master``: float32 parameters and AdamW moments (12 bytes per parameter);
-- ``bf16-sr``: bfloat16 parameters (``autocast.to_half_params``) and moments
-  (``autocast.half_state``), updated in float32 and rounded back stochastically
+- ``bf16-sr``: bfloat16 parameters (``autocast.optim.to_half_params``) and moments
+  (``autocast.optim.half_state``), updated in float32 and rounded back stochastically
   (``optimizer_update(..., key=)``): 6 bytes per parameter;
 - ``bf16-rne``: the control: bfloat16 parameters and moments with round-to-nearest (plain
   ``optax.adamw`` on the bfloat16 parameters), where updates below half a bfloat16 spacing
@@ -82,9 +82,9 @@ def _setup(run: str, model: GPT, steps: int, lr: float):
     if run == "f32-master":
         optim = adamw
     elif run == "bf16-sr":
-        params, optim = autocast.to_half_params(params), autocast.half_state(adamw, key=jax.random.key(1))
+        params, optim = autocast.optim.to_half_params(params), autocast.optim.half_state(adamw, key=jax.random.key(1))
     elif run == "bf16-rne":
-        params, optim = autocast.to_half_params(params), adamw  # moments in bfloat16 too
+        params, optim = autocast.optim.to_half_params(params), adamw  # moments in bfloat16 too
     else:
         raise ValueError(f"run={run!r}; allowed: {RUNS}")
     grad_fn = jax.value_and_grad(

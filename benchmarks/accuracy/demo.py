@@ -12,7 +12,7 @@ split, the initialisation and the batch order, and the runs share all three:
   for float8 to pay on a GPU, and the run checks float8's accuracy): the weight matmuls run
   as scaled float8 products (see docs/fp8.md);
 - ``amp-bf16-sr``: as ``amp-bf16`` with the parameters and AdamW's moments stored in
-  bfloat16 (``autocast.to_half_params``, ``autocast.half_state``), updated in float32 and
+  bfloat16 (``autocast.optim.to_half_params``, ``autocast.optim.half_state``), updated in float32 and
   rounded back stochastically (``optimizer_update(..., key=)``; see docs/memory.md). Not in
   the default runs: ``--runs amp-bf16 amp-bf16-sr``.
 
@@ -94,7 +94,7 @@ def _float32_loss(model, x, y):
     """``loss_fn`` on a model stored in bfloat16: written for float32, as amp expects (the
     convolution needs operands of one dtype). amp casts the weights back to bfloat16 for the
     matmuls, and XLA drops the bfloat16 -> float32 -> bfloat16 round trip."""
-    return loss_fn(autocast.to_float32_params(model), x, y)
+    return loss_fn(autocast.optim.to_float32_params(model), x, y)
 
 
 def _amp(dtype, policy, half=False):
@@ -224,10 +224,10 @@ def _setup(dtype, static, params, opt, x, y, policy=None, half=False) -> dict[st
 
     Every seed builds the same model structure (only the arrays differ), so the jitted
     functions see the same shapes and compile once. With ``half`` the optimizer is
-    ``autocast.half_state(opt)`` (returned as ``"opt"``) and ``params`` are bfloat16.
+    ``autocast.optim.half_state(opt)`` (returned as ``"opt"``) and ``params`` are bfloat16.
     """
     if half:
-        opt = autocast.half_state(opt)
+        opt = autocast.optim.half_state(opt)
     loss_for_memory = loss_fn if dtype is None else _amp(dtype, policy, half)
     act = C.residual_bytes(
         lambda p, x, y: loss_for_memory(eqx.combine(p, static), x, y)[0], params, jnp.asarray(x), jnp.asarray(y)
@@ -270,7 +270,7 @@ def train(
     params, static = eqx.partition(ViT(DIGITS_VIT, key=jax.random.key(seed)), eqx.is_array)
     half = name in HALF_PARAMS
     if half:  # the same initialisation, stored in bfloat16
-        params = autocast.to_half_params(params)
+        params = autocast.optim.to_half_params(params)
     if name not in cache:
         cache[name] = _setup(dtype, static, params, opt, x_tr[:batch], y_tr[:batch], POLICIES.get(name), half)
     shared = cache[name]

@@ -4,7 +4,7 @@ Measured from the pytrees themselves (every array leaf's shape and dtype, PRNG k
 key data), built with ``equinox.filter_eval_shape`` so ViT-Base needs no memory:
 
 - ``float32 master``: float32 parameters, ``optax.adamw`` state (float32 moments, int32 count);
-- ``bfloat16 + SR``: ``autocast.to_half_params(model)``, ``autocast.half_state(optax.adamw)``
+- ``bfloat16 + SR``: ``autocast.optim.to_half_params(model)``, ``autocast.optim.half_state(optax.adamw)``
   state (bfloat16 moments, int32 count, one PRNG key).
 
 Models: ViT "desktop" and ViT-Base (``benchmarks/models/vit.py``), the character GPT of
@@ -63,8 +63,8 @@ def measure(make) -> dict[str, Any]:
     n = sum(int(x.size) for x in jax.tree.leaves(params))
     adamw = optax.adamw(1e-3)
     f32_state = jax.eval_shape(adamw.init, params)
-    half_params = jax.eval_shape(autocast.to_half_params, params)
-    half_state = jax.eval_shape(autocast.half_state(adamw).init, half_params)
+    half_params = jax.eval_shape(autocast.optim.to_half_params, params)
+    half_state = jax.eval_shape(autocast.optim.half_state(adamw).init, half_params)
     rows = {}
     for mode, (p, s) in {
         "float32 master": (params, f32_state),

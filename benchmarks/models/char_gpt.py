@@ -79,6 +79,6 @@ class GPT(eqx.Module):
 
 def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
     """Mean next-character cross-entropy (nats) of a batch ``(B, seq + 1)`` of byte ids."""
-    model = autocast.to_float32_params(model)  # written for float32: amp decides the dtypes
+    model = autocast.optim.to_float32_params(model)  # written for float32: amp decides the dtypes
     logits = jax.vmap(model)(batch[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()

@@ -13,7 +13,7 @@ GPU target (:mod:`benchmarks.gpu_modeled.deviceless`); nothing here measures or 
   scaler) and ``autocast-fp8`` (``policies/fp8.toml``: float8 where the H100 roofline
   says it pays; the smoke models, all too small for that, every matmul); ``autocast-bf16-sr``: amp bf16 with
   the parameters and AdamW's moments stored in bfloat16, updated with stochastic rounding
-  (``autocast.to_half_params``, ``autocast.half_state``; docs/memory.md); ``mpx-bf16``, the
+  (``autocast.optim.to_half_params``, ``autocast.optim.half_state``; docs/memory.md); ``mpx-bf16``, the
   MPX recipe; on request (:data:`EXTRA_SYSTEMS`), ``autocast-bf16-noremat``.
 """
 
@@ -206,10 +206,10 @@ def build_system(name: str, task: Task, static: Any, opt: Any) -> System:
 
         return System(name, step)
     if name == "autocast-bf16-sr":
-        half_opt = autocast.half_state(opt)
+        half_opt = autocast.optim.half_state(opt)
         # the loss widens the stored model first, as docs/memory.md shows (Equinox's
         # convolutions need equal dtypes); amp runs its matmuls in bfloat16 again
-        loss_fn = lambda model, batch: task.loss(autocast.to_float32_params(model), batch)  # noqa: E731
+        loss_fn = lambda model, batch: task.loss(autocast.optim.to_float32_params(model), batch)  # noqa: E731
         gfn = autocast.dynamic_scale_value_and_grad(autocast.amp(loss_fn, compute_dtype=BF16))
 
         def step(p, opt_state, scaler, batch):
@@ -222,7 +222,9 @@ def build_system(name: str, task: Task, static: Any, opt: Any) -> System:
             )
             return eqx.filter(model, eqx.is_array), opt_state, scaler, loss, eqx.filter(grads, eqx.is_array)
 
-        return System(name, step, autocast.NoOpScalerState(), store_params=autocast.to_half_params, optimizer=half_opt)
+        return System(
+            name, step, autocast.NoOpScalerState(), store_params=autocast.optim.to_half_params, optimizer=half_opt
+        )
     if name.startswith("autocast"):
         dtype = {"autocast-bf16": BF16, "autocast-f16": F16, "autocast-fp8": BF16, "autocast-bf16-noremat": BF16}[name]
         policy = None
