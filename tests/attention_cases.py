@@ -279,6 +279,17 @@ MATCHES = [
         expect=_roles(scale=SCALE, groups=1, kv_heads=N),
     ),
     Case(
+        "jaxnn_plain",  # no mask: the row maximum is taken before a transpose
+        _qkv_case(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=0.1)),
+        MaskKind.NONE,
+        expect=_roles(scale=0.1),
+    ),
+    Case(
+        "jaxnn_q_lengths",
+        _qkv_case(lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, query_seq_lengths=n), _lengths()),
+        MaskKind.Q_LENGTHS,
+    ),
+    Case(
         "jaxnn_mask",
         _qkv_case(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m), _traced_bool_mask()[:, None]),
         MaskKind.MASK,

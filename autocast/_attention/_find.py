@@ -276,7 +276,7 @@ def _tail(
 
 def _zeroes(g: Graph, factor: Atom, amap: tuple[int, ...], q_len: _mask.Length, layout: Layout) -> bool:
     """Whether ``factor`` is ``convert(iota_T < n)`` for the query lengths ``q_len``."""
-    atom, famap = _mask.peel_layout(g, factor, amap)
+    atom, famap = _mask.peel_layout(g, factor, _layout.operand(g.shape(factor), amap))
     fnode = g.node_of(atom)
     if fnode is None or fnode.name != "convert_element_type":
         return False

@@ -20,6 +20,16 @@ AxisMap = tuple[int, ...]
 HV = -2  # the value head dimension in an output axis map
 
 
+def operand(shape: Sequence[int], amap: AxisMap) -> AxisMap:
+    """The map of an elementwise equation's operand of ``shape`` (its result has map
+    ``amap``): the same axes, or none for a rank-0 operand (JAX broadcasts scalars)."""
+    if len(shape) == len(amap):
+        return amap
+    if len(shape) == 0:
+        return ()
+    raise ValueError(f"an operand of rank {len(shape)} in an equation of rank {len(amap)}")
+
+
 def transposed(amap: AxisMap, perm: Sequence[int]) -> AxisMap:
     """The map of ``transpose(x, perm)`` for ``x`` with map ``amap``."""
     return tuple(amap[p] for p in perm)

@@ -125,7 +125,7 @@ def _conjuncts(g: Graph, atom: Atom, amap: _layout.AxisMap, positive: bool) -> l
     if node.name == "convert_element_type" and np.dtype(g.aval(node.ins[0]).dtype) == np.dtype(bool):
         return _conjuncts(g, node.ins[0], amap, positive)
     if (node.name == "and" and positive) or (node.name == "or" and not positive):
-        return [c for a in node.ins for c in _conjuncts(g, a, amap, positive)]
+        return [c for a in node.ins for c in _conjuncts(g, a, _layout.operand(g.shape(a), amap), positive)]
     return [(atom, amap, positive)]
 
 
@@ -143,7 +143,7 @@ def length(g: Graph, atom: Atom, amap: _layout.AxisMap, positive: bool, layout: 
     if g.is_const(n) or not np.issubdtype(np.dtype(g.aval(n).dtype), np.integer):
         return None
     rank = len(layout.lout_shape)
-    root, iamap = peel_layout(g, iota, amap)
+    root, iamap = peel_layout(g, iota, _layout.operand(g.shape(iota), amap))
     if not g.foldable(root):
         return None
     val = _layout.to_scores(np.asarray(g.value(root)), iamap, rank)
@@ -158,7 +158,7 @@ def length(g: Graph, atom: Atom, amap: _layout.AxisMap, positive: bool, layout: 
             np.broadcast_to(val, np.broadcast_shapes(val.shape, want.shape)),
             np.broadcast_to(want, np.broadcast_shapes(val.shape, want.shape)),
         ):
-            nroot, namap = peel_layout(g, n, amap)
+            nroot, namap = peel_layout(g, n, _layout.operand(g.shape(n), amap))
             nshape = g.shape(nroot)
             if all(s == 1 or m in layout.batch for s, m in zip(nshape, namap)):
                 return Length(axis, Side(nroot, namap), Side(atom, amap, 1.0 if positive else -1.0))  # type: ignore[arg-type]

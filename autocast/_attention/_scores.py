@@ -215,7 +215,7 @@ def _apply(g: Graph, node: Node, i: int, state: Scores) -> None:
             return
         if state.wheres:
             raise Rejected("a bias is added after a mask")
-        state.biases.append(Bias(other, state.amap, sign))
+        state.biases.append(Bias(other, _layout.operand(g.shape(other), state.amap), sign))
         return
     if name == "select_n" and len(node.ins) == 3:
         pred, fill_atom = node.ins[0], node.ins[3 - i]
@@ -224,7 +224,8 @@ def _apply(g: Graph, node: Node, i: int, state: Scores) -> None:
         fill = uniform(g, fill_atom)
         if fill is None:
             raise Rejected("the scores are replaced by a traced or non-uniform value where masked")
-        state.wheres.append(Where(pred, state.amap, keep=(i == 2), fill=np.asarray(fill).astype(state.dtype)))
+        pamap = _layout.operand(g.shape(pred), state.amap)
+        state.wheres.append(Where(pred, pamap, keep=(i == 2), fill=np.asarray(fill).astype(state.dtype)))
         return
     if name == "tanh":
         raise Rejected("softcapping (tanh on the scores)")

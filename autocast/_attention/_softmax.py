@@ -13,7 +13,9 @@ from ._graph import Atom, Graph, Node
 
 # Equations between a reduction over the softmax axis and the value it is subtracted from
 # or divides: they restore the reduced axis as size 1 (or to full size) and change nothing.
-_RESTORE = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "stop_gradient", "convert_element_type"})
+_RESTORE = frozenset(
+    {"broadcast_in_dim", "reshape", "expand_dims", "stop_gradient", "convert_element_type", "transpose"}
+)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,21 @@ def _reduced_from(g: Graph, atom: Atom, reducer: str, nodes: set[int]) -> tuple[
             return None
 
 
+def _transposes(g: Graph, x: int, z: int) -> tuple[int, ...] | None:
+    """``perm`` with ``x == transpose(z, perm)`` through a chain of transposes (the
+    identity for ``x == z``), else None."""
+    perm = tuple(range(len(g.shape(x))))
+    cur: Atom = x
+    while cur != z:
+        node = g.node_of(cur)
+        if node is None or node.name != "transpose":
+            return None
+        p = node.params["permutation"]
+        perm = tuple(p[j] for j in perm)
+        cur = node.ins[0]
+    return perm
+
+
 def _restores(g: Graph, reduced: Atom, x: int, axis: int) -> bool:
     shape, rshape = g.shape(x), g.shape(reduced)
     if len(rshape) != len(shape):
@@ -79,9 +96,12 @@ def _softmax_at(g: Graph, n_exp: int) -> Softmax | None:
     nodes = {n_exp, g.producer[sub.outs[0]]}
     found = _reduced_from(g, sub.ins[1], "reduce_max", nodes)
     x = sub.ins[0]
-    if found is None or found[0] != x or not _restores(g, sub.ins[1], x, found[1]):
+    perm = None if found is None else _transposes(g, x, found[0])
+    if found is None or perm is None:
         return None
-    axis = found[1]
+    axis = perm.index(found[1])  # the row maximum of x, maybe taken before a transpose
+    if not _restores(g, sub.ins[1], x, axis):
+        return None
     e = exp.outs[0]
     readers = [g.nodes[r] for r in g.readers.get(e, ())]
     divs = [r for r in readers if r.name == "div" and r.ins[0] == e]
