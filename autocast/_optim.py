@@ -52,41 +52,51 @@ def optimizer_update(
 ) -> tuple[Any, Any]:
     """Apply one optax update if `grads_finite`, else return the inputs unchanged.
 
-    **Arguments:**
+    Args:
+        model: A pytree of parameters or an Equinox module (non-array leaves such as
+            activation functions are kept as they are).
+        optimizer: An `optax.GradientTransformation`, initialised with
+            `optimizer.init(eqx.filter(model, eqx.is_inexact_array))`.
+        opt_state: Its state.
+        grads: Gradients with the structure of `eqx.filter(model,
+            eqx.is_inexact_array)` (what `dynamic_scale_grad` returns with `filter=True`).
+        grads_finite: A scalar bool, usually `scaler_state.grads_finite`.
+        key: A PRNG key, a fresh one every step (e.g. `jax.random.fold_in(key, step)`),
+            for parameters stored in bfloat16/float16 (`to_half_params`): the optimizer then
+            sees float32 parameters and gradients, and the new parameters are rounded back to
+            their dtype stochastically (as `stochastic_round` does).
+            float32 leaves are updated exactly as without a key. Without a key, each
+            parameter is `(param + update)` cast to the parameter's dtype, as in
+            `optax.apply_updates`: half parameters are rounded to nearest, which loses
+            updates below half their spacing.
 
-    - `model`: a pytree of parameters or an Equinox module (non-array leaves such as
-      activation functions are kept as they are).
-    - `optimizer`: an `optax.GradientTransformation`, initialised with
-      `optimizer.init(eqx.filter(model, eqx.is_inexact_array))`.
-    - `opt_state`: its state.
-    - `grads`: gradients with the structure of `eqx.filter(model,
-      eqx.is_inexact_array)` (what `dynamic_scale_grad` returns with `filter=True`).
-    - `grads_finite`: a scalar bool, usually `scaler_state.grads_finite`.
-    - `key`: a PRNG key, a fresh one every step (e.g. `jax.random.fold_in(key, step)`),
-      for parameters stored in bfloat16/float16 (`to_half_params`): the optimizer then
-      sees float32 parameters and gradients, and the new parameters are rounded back to
-      their dtype stochastically (as `stochastic_round` does).
-      float32 leaves are updated exactly as without a key. Without a key, half
-      parameters get `optax.apply_updates`' round-to-nearest, which loses updates below
-      half their spacing.
+    Returns:
+        `(model, opt_state)`, updated if `grads_finite`, otherwise the inputs
+            bit for bit.
 
-    **Returns:** `(model, opt_state)`, updated if `grads_finite`, otherwise the inputs
-    bit for bit.
+    Raises:
+        ValueError: `grads` does not have the structure of the model's inexact arrays,
+            `grads_finite` is not a scalar, or `key` is an array of several keys.
+        TypeError: `grads_finite` is not boolean, or `key` is not a PRNG key.
 
     Example:
+        ```python
+        state = autocast.DynamicScalerState()
+        state, grads = autocast.dynamic_scale_grad(loss_fn)(params, batch, dynamic_scaler_state=state)
+        new_params, new_opt_state = autocast.optimizer_update(params, optim, opt_state, grads, state.grads_finite)
 
-    ```python
-    state = autocast.DynamicScalerState()
-    state, grads = autocast.dynamic_scale_grad(loss_fn)(params, batch, dynamic_scaler_state=state)
-    params, opt_state = autocast.optimizer_update(params, optim, opt_state, grads, state.grads_finite)
-    ```
+        # bfloat16 parameters stay bfloat16 (float32 updates are rounded to nearest)
+        half = autocast.optim.to_half_params(params)
+        half, _ = autocast.optimizer_update(half, optim, opt_state, grads, state.grads_finite)
+        assert half["w1"].dtype == jnp.bfloat16
+        ```
     """
     finite = _as_flag(grads_finite, "optimizer_update: `grads_finite`")
     params = eqx.filter(model, eqx.is_inexact_array)
     _check_same_structure(grads, params)
     if key is None:
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        new_model = eqx.apply_updates(model, updates)
+        new_model = eqx.combine(_apply_updates(params, updates), model)
     else:
         key = _check_key(key, "optimizer_update")
         new_model, new_opt_state = _rounded_update(model, params, optimizer, opt_state, grads, key)
@@ -94,6 +104,16 @@ def optimizer_update(
         select_tree(finite, new_model, model),
         select_tree(finite, new_opt_state, opt_state),
     )
+
+
+def _apply_updates(params: Any, updates: Any) -> Any:
+    """`param + update` in each parameter's own dtype (as `optax.apply_updates`; Equinox's
+    `apply_updates` would promote a bfloat16 parameter with a float32 update to float32)."""
+
+    def leaf(u: Any, p: Any) -> Any:
+        return p if u is None else jnp.asarray(p + u).astype(p.dtype)
+
+    return jax.tree.map(leaf, updates, params, is_leaf=lambda x: x is None)
 
 
 def _is_half(x: Any) -> bool:
