@@ -83,20 +83,18 @@ def _narrow(tree: Any, dtype: np.dtype, key: jax.Array) -> Any:
 class HalfOptState(eqx.Module):
     """The state of `half_state`: the inner optax state with its float leaves in half, and a key.
 
-    **Fields:**
-
-    - `inner`: the wrapped transformation's state; its float32 leaves with at least one
-      dimension (the moments) are stored in `dtype`, everything else as the inner
-      transformation made it.
-    - `key`: the PRNG key of the next stochastic rounding (split on every update).
+    Attributes:
+        inner: The wrapped transformation's state; its float32 leaves with at least one
+            dimension (the moments) are stored in `half_state`'s `dtype`, everything else
+            as the inner transformation made it.
+        key: The PRNG key of the next stochastic rounding (split on every update).
 
     Example:
-
-    ```python
-    opt = autocast.half_state(optax.adam(1e-3))
-    state = opt.init(params)
-    assert isinstance(state, autocast.HalfOptState) and state.inner[0].mu["w1"].dtype == jnp.bfloat16
-    ```
+        ```python
+        opt = autocast.optim.half_state(optax.adam(1e-3))
+        state = opt.init(params)
+        assert isinstance(state, autocast.optim.HalfOptState) and state.inner[0].mu["w1"].dtype == jnp.bfloat16
+        ```
     """
 
     inner: Any
@@ -115,26 +113,30 @@ def half_state(
     parameter instead of 8; integer leaves such as `count` and scalar floats (injected
     hyperparameters) are kept as they are.
 
-    **Arguments:**
+    Args:
+        inner: Any `optax.GradientTransformation`, e.g. `optax.adamw(1e-3)` or a chain.
+        dtype: `jnp.bfloat16` (recommended: float32's exponent range) or `jnp.float16`
+            (second moments above 65504 overflow to inf).
+        key: The PRNG key of the first rounding (`jax.random.key(0)` when omitted).
 
-    - `inner`: any `optax.GradientTransformation`, e.g. `optax.adamw(1e-3)` or a chain.
-    - `dtype`: `jnp.bfloat16` (recommended: float32's exponent range) or `jnp.float16`
-      (second moments above 65504 overflow to inf).
-    - `key`: the PRNG key of the first rounding (`jax.random.key(0)` when omitted).
+    Returns:
+        An optax transformation whose state is a `HalfOptState`; its updates are
+            float32. Put it outermost, and apply its updates with `optimizer_update(..., key=)`
+            when the parameters are bfloat16 too.
 
-    **Returns:** an optax transformation whose state is a `HalfOptState`; its updates are
-    float32. Put it outermost, and apply its updates with `optimizer_update(..., key=)`
-    when the parameters are bfloat16 too.
+    Raises:
+        TypeError: `inner` is not an optax transformation, or `key` is not a PRNG key;
+            from `update`: a state that is not a `HalfOptState`.
+        ValueError: `dtype` is not bfloat16 or float16, or `key` is an array of keys.
 
     Example:
-
-    ```python
-    half_optim = autocast.half_state(optax.adamw(1e-3), key=jax.random.key(1))
-    state = half_optim.init(params)
-    grads = jax.grad(loss)(params)
-    new_params, state = autocast.optimizer_update(params, half_optim, state, grads, jnp.array(True))
-    assert state.inner[0].nu["w1"].dtype == jnp.bfloat16 and state.inner[0].count.dtype == jnp.int32
-    ```
+        ```python
+        half_optim = autocast.optim.half_state(optax.adamw(1e-3), key=jax.random.key(1))
+        state = half_optim.init(params)
+        grads = jax.grad(loss)(params)
+        new_params, state = autocast.optimizer_update(params, half_optim, state, grads, jnp.array(True))
+        assert state.inner[0].nu["w1"].dtype == jnp.bfloat16 and state.inner[0].count.dtype == jnp.int32
+        ```
     """
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(f"half_state: `inner` must be an optax.GradientTransformation; got inner={inner!r}.")
@@ -170,19 +172,21 @@ def to_half_params(tree: Any, dtype: Any = jnp.bfloat16) -> Any:
     modules (non-array leaves are kept), Flax linen params, Flax NNX state (`nnx.split`)
     and plain pytrees; integer, boolean and float64 leaves are not touched.
 
-    **Arguments:**
+    Args:
+        tree: The model or parameters.
+        dtype: `jnp.bfloat16` (default) or `jnp.float16`.
 
-    - `tree`: the model or parameters.
-    - `dtype`: `jnp.bfloat16` (default) or `jnp.float16`.
+    Returns:
+        `tree` with its float32 array leaves in `dtype`.
 
-    **Returns:** `tree` with its float32 array leaves in `dtype`.
+    Raises:
+        ValueError: `dtype` is not bfloat16 or float16.
 
     Example:
-
-    ```python
-    half_model = autocast.to_half_params(model)
-    assert half_model.layers[0].weight.dtype == jnp.bfloat16 and half_model.activation is model.activation
-    ```
+        ```python
+        half_model = autocast.optim.to_half_params(model)
+        assert half_model.layers[0].weight.dtype == jnp.bfloat16 and half_model.activation is model.activation
+        ```
     """
     half = _half_dtype(dtype, "to_half_params")
     return jax.tree.map(lambda x: x.astype(half) if eqx.is_array(x) and x.dtype == _FLOAT32 else x, tree)
@@ -194,16 +198,17 @@ def to_float32_params(tree: Any) -> Any:
     The way back from `to_half_params`: continue a bfloat16 + stochastic rounding run with
     float32 master weights.
 
-    **Arguments:** `tree`: the model or parameters.
+    Args:
+        tree: The model or parameters.
 
-    **Returns:** `tree` with its float16/bfloat16 array leaves in float32.
+    Returns:
+        `tree` with its float16/bfloat16 array leaves in float32.
 
     Example:
-
-    ```python
-    back = autocast.to_float32_params(autocast.to_half_params(params))
-    assert back["w1"].dtype == jnp.float32
-    ```
+        ```python
+        back = autocast.optim.to_float32_params(autocast.optim.to_half_params(params))
+        assert back["w1"].dtype == jnp.float32
+        ```
     """
     return _upcast_half(tree)
 
@@ -214,20 +219,23 @@ def to_half_opt_state(opt_state: Any, key: Any, dtype: Any = jnp.bfloat16) -> Ha
     The float32 leaves with at least one dimension are rounded to `dtype` (to nearest);
     `key` becomes the state's rounding key.
 
-    **Arguments:**
+    Args:
+        opt_state: The state of an optax transformation `inner`.
+        key: A PRNG key for the stochastic rounding that follows.
+        dtype: `jnp.bfloat16` (default) or `jnp.float16`.
 
-    - `opt_state`: the state of an optax transformation `inner`.
-    - `key`: a PRNG key for the stochastic rounding that follows.
-    - `dtype`: `jnp.bfloat16` (default) or `jnp.float16`.
+    Returns:
+        A `HalfOptState` for `half_state(inner, dtype)`.
 
-    **Returns:** a `HalfOptState` for `half_state(inner, dtype)`.
+    Raises:
+        TypeError: `opt_state` is already a `HalfOptState`, or `key` is not a PRNG key.
+        ValueError: `dtype` is not bfloat16 or float16, or `key` is an array of keys.
 
     Example:
-
-    ```python
-    half = autocast.to_half_opt_state(opt_state, jax.random.key(0))
-    assert half.inner[0].mu["w1"].dtype == jnp.bfloat16
-    ```
+        ```python
+        half = autocast.optim.to_half_opt_state(opt_state, jax.random.key(0))
+        assert half.inner[0].mu["w1"].dtype == jnp.bfloat16
+        ```
     """
     half = _half_dtype(dtype, "to_half_opt_state")
     key = _check_key(key, "to_half_opt_state")
@@ -240,16 +248,20 @@ def to_half_opt_state(opt_state: Any, key: Any, dtype: Any = jnp.bfloat16) -> Ha
 def to_float32_opt_state(opt_state: HalfOptState) -> Any:
     """The plain optax state inside a `HalfOptState`, its half leaves widened to float32.
 
-    **Arguments:** `opt_state`: the state of `half_state(inner, ...)`.
+    Args:
+        opt_state: The state of `half_state(inner, ...)`.
 
-    **Returns:** a state for `inner` itself (the rounding key is dropped).
+    Returns:
+        A state for `inner` itself (the rounding key is dropped).
+
+    Raises:
+        TypeError: `opt_state` is not a `HalfOptState`.
 
     Example:
-
-    ```python
-    half = autocast.to_half_opt_state(opt_state, jax.random.key(0))
-    assert autocast.to_float32_opt_state(half)[0].mu["w1"].dtype == jnp.float32
-    ```
+        ```python
+        half = autocast.optim.to_half_opt_state(opt_state, jax.random.key(0))
+        assert autocast.optim.to_float32_opt_state(half)[0].mu["w1"].dtype == jnp.float32
+        ```
     """
     if not isinstance(opt_state, HalfOptState):
         raise TypeError(

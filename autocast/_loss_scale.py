@@ -205,15 +205,19 @@ def _multiply(tree: Any, factor: jax.Array, *, keep_dtype: bool) -> Any:
 def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
     """Whether every floating (or complex) array leaf of `tree` is free of inf/NaN.
 
-    **Arguments:**
+    Args:
+        tree: Any pytree. Integer/boolean arrays and non-array leaves are ignored.
+        axis_name: Inside `pmap`/`shard_map`, the mapped axis (or tuple of axes) over
+            which to agree: the result is True on every device only if it is True on all.
 
-    - `tree`: any pytree. Integer/boolean arrays and non-array leaves are ignored.
-    - `axis_name`: inside `pmap`/`shard_map`, the mapped axis (or tuple of axes) over
-      which to agree: the result is True on every device only if it is True on all.
+    Returns:
+        A scalar boolean array; True for a tree without floating leaves.
 
-    **Returns:** a scalar boolean array; True for a tree without floating leaves.
-
-    Example: `all_finite({"w": jnp.array([1.0, jnp.inf])})` is `Array(False)`.
+    Example:
+        ```python
+        assert not autocast.all_finite({"w": jnp.array([1.0, jnp.inf]), "step": 3})
+        assert autocast.all_finite(params)
+        ```
     """
     checks = [
         jnp.all(jnp.isfinite(x))
@@ -233,15 +237,26 @@ def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
     chosen input. Non-array leaves (activation functions, Python numbers, ...) are
     taken from `on_true`.
 
-    **Arguments:**
+    Args:
+        pred: A scalar boolean (e.g. `state.grads_finite`).
+        on_true: The pytree chosen where `pred` is True.
+        on_false: A pytree with the structure of `on_true`; matching array leaves must
+            have the same shape and dtype.
 
-    - `pred`: a scalar boolean (e.g. `state.grads_finite`).
-    - `on_true`, `on_false`: pytrees with the same structure; matching array leaves
-      must have the same shape and dtype.
+    Returns:
+        A pytree like `on_true`.
 
-    **Returns:** a pytree like `on_true`.
+    Raises:
+        TypeError: A pair of matching array leaves differs in shape or dtype, or `pred` is
+            not boolean.
+        ValueError: `pred` is not a scalar.
 
-    Example: `params = select_tree(finite, new_params, params)`.
+    Example:
+        ```python
+        new_params = jax.tree.map(lambda p: p - 0.1, params)
+        kept = autocast.select_tree(jnp.array(False), new_params, params)
+        assert (kept["w1"] == params["w1"]).all()
+        ```
     """
     flag = _as_flag(pred, "select_tree: `pred`")
 
@@ -301,19 +316,27 @@ class _AbstractScalerState(eqx.Module):
 class DynamicScalerState(_AbstractScalerState):
     """State of a dynamic loss scaler (PyTorch `GradScaler` behaviour, functional).
 
-    **Arguments:**
+    Args:
+        patience: Grow the scale after this many consecutive finite steps (0 and 1
+            both mean "on every finite step").
+        adjust_factor: Growth factor, a power of two > 1.
+        scaler: The current scale, a power of two in `[min_scaler, max_scaler]`.
+        count: Finite steps since the last growth or backoff.
+        total_resets: Number of non-finite steps seen (each one backs off).
+        backoff_factor: The scale is *divided* by this on a non-finite step; a power of
+            two > 1, by default `adjust_factor`.
+        min_scaler: The lower bound of the scale, a power of two. The scale never
+            reaches 0, so training recovers after a run of bad batches.
+        max_scaler: The upper bound of the scale, a power of two (the scale never
+            reaches inf).
+        grads_finite: Whether the gradients returned with this state were finite.
 
-    - `patience`: grow the scale after this many consecutive finite steps (0 and 1
-      both mean "on every finite step").
-    - `adjust_factor`: growth factor, a power of two > 1.
-    - `scaler`: the current scale, a power of two in `[min_scaler, max_scaler]`.
-    - `count`: finite steps since the last growth or backoff.
-    - `total_resets`: number of non-finite steps seen (each one backs off).
-    - `backoff_factor`: the scale is *divided* by this on a non-finite step; a power of
-      two > 1, by default `adjust_factor`.
-    - `min_scaler`, `max_scaler`: bounds (powers of two). The scale never reaches 0
-      or inf, so training recovers after a run of bad batches.
-    - `grads_finite`: whether the gradients returned with this state were finite.
+    Raises:
+        TypeError: A configuration value is not a concrete Python number, or a leaf
+            value has the wrong kind (e.g. a float `count`).
+        ValueError: A scale, factor or bound is not a power of two in
+            `[2**-126, 2**126]`, a factor is not > 1, `min_scaler > max_scaler`,
+            `scaler` lies outside them, or `count`/`total_resets` is negative.
 
     Configuration is static; `scaler` (float32), `count`, `total_resets` (int32) and
     `grads_finite` (bool) are array leaves. Python numbers are accepted.
@@ -331,13 +354,12 @@ class DynamicScalerState(_AbstractScalerState):
     ```
 
     Example:
-
-    ```python
-    state = autocast.DynamicScalerState(scaler=2.0**15)
-    grads = jax.grad(lambda p: state.scale(loss(p)))(params)
-    grads = state.unscale(grads)  # with the scale the loss was multiplied by
-    state = state.adjust(autocast.all_finite(grads))  # then adjust
-    ```
+        ```python
+        state = autocast.DynamicScalerState(scaler=2.0**15)
+        grads = jax.grad(lambda p: state.scale(loss(p)))(params)
+        grads = state.unscale(grads)  # with the scale the loss was multiplied by
+        state = state.adjust(autocast.all_finite(grads))  # then adjust
+        ```
     """
 
     _leaf_fields: ClassVar[tuple[str, ...]] = (
@@ -419,18 +441,18 @@ class DynamicScalerState(_AbstractScalerState):
 class StaticScalerState(_AbstractScalerState):
     """A fixed loss scale (jmp's `StaticLossScale`) with the dynamic interface.
 
-    **Arguments:**
-
-    - `scaler`: the scale, a power of two (default `2**15`).
-    - `grads_finite`: whether the gradients returned with this state were finite.
+    Args:
+        scaler: The scale, a power of two (default `2**15`).
+        grads_finite: Whether the gradients returned with this state were finite.
 
     `adjust(grads_finite)` only records the flag; the scale never changes.
 
-    Example::
-
+    Example:
+        ```python
         state = autocast.StaticScalerState(2.0**8)
         state, grads = autocast.dynamic_scale_grad(loss_fn)(params, batch, dynamic_scaler_state=state)
         assert float(state.scaler) == 2.0**8
+        ```
     """
 
     _leaf_fields: ClassVar[tuple[str, ...]] = ("scaler", "grads_finite")
@@ -461,13 +483,15 @@ class NoOpScalerState(_AbstractScalerState):
     `adjust(grads_finite)` only records the flag, so a training step written for a
     dynamic scaler also runs unchanged with this one.
 
-    **Arguments:** `grads_finite`: whether the gradients returned with this state were finite.
+    Args:
+        grads_finite: Whether the gradients returned with this state were finite.
 
-    Example::
-
+    Example:
+        ```python
         bf16_loss = autocast.amp(loss_fn, compute_dtype=jnp.bfloat16)
         state = autocast.NoOpScalerState()
         state, grads = autocast.dynamic_scale_grad(bf16_loss)(params, batch, dynamic_scaler_state=state)
+        ```
     """
 
     _leaf_fields: ClassVar[tuple[str, ...]] = ("grads_finite",)

@@ -160,10 +160,11 @@ def retry_while_non_finite(
     state: _AbstractScalerState,
     redo_on_nan: int,
 ) -> tuple[_AbstractScalerState, Any, jax.Array]:
-    """Run ``attempt(state) -> (results, finite)``; while not finite, back the scale off
-    and run it again, at most ``redo_on_nan`` times (in a ``lax.while_loop``).
+    """Run `attempt(state) -> (results, finite)`; while not finite, back the scale off
+    and run it again, at most `redo_on_nan` times (in a `lax.while_loop`).
 
-    Returns ``(state used by the last attempt, its results, its finite flag)``.
+    Returns:
+        `(state used by the last attempt, its results, its finite flag)`.
     """
     results, finite = attempt(state)
     if not (redo_on_nan and state._can_back_off):
@@ -291,39 +292,47 @@ def dynamic_scale_value_and_grad(
 ) -> Callable:
     """Loss-scaled `value_and_grad` that also updates a scaler state.
 
-    **Arguments:**
+    Args:
+        fun: The loss function, returning a scalar floating-point loss (or
+            `(loss, aux)` with `has_aux=True`). Can be omitted to use as a decorator with
+            arguments: `@dynamic_scale_value_and_grad(has_aux=True)`.
+        has_aux: As in `jax.value_and_grad`. NaNs in aux do not count as a failure.
+        redo_on_nan: On non-finite gradients, back off and recompute at most this many
+            times inside the step (`lax.while_loop`; dynamic scaler only).
+        filter: If True, differentiate like `equinox.filter_value_and_grad` (every
+            floating array leaf of the differentiated arguments; other leaves get `None`);
+            if False, like `jax.value_and_grad`.
+        argnums: Which positional argument(s) to differentiate.
+        axis_name: Under `pmap`/`shard_map`, the mapped axis over which all devices
+            agree on the finite flag and hence on the new scale.
 
-    - `fun`: the loss function, returning a scalar floating-point loss (or
-      `(loss, aux)` with `has_aux=True`). Can be omitted to use as a decorator with
-      arguments: `@dynamic_scale_value_and_grad(has_aux=True)`.
-    - `has_aux`: as in `jax.value_and_grad`. NaNs in aux do not count as a failure.
-    - `redo_on_nan`: on non-finite gradients, back off and recompute at most this many
-      times inside the step (`lax.while_loop`; dynamic scaler only).
-    - `filter`: if True, differentiate like `equinox.filter_value_and_grad` (every
-      floating array leaf of the differentiated arguments; other leaves get `None`);
-      if False, like `jax.value_and_grad`.
-    - `argnums`: which positional argument(s) to differentiate.
-    - `axis_name`: under `pmap`/`shard_map`, the mapped axis over which all devices
-      agree on the finite flag and hence on the new scale.
+    Returns:
+        A function `g(*args, dynamic_scaler_state=state, **kwargs)` returning
+            `(new_state, (value, grads))`, or `(new_state, ((value, aux), grads))` with
+            `has_aux`. `value` is exactly what `fun` returned (not scaled); `grads` are
+            unscaled with the scale the loss was multiplied by and have the parameters'
+            dtypes; `new_state.grads_finite` says whether they are finite. (Without
+            `fun`: a decorator taking it.)
 
-    **Returns:** a function `g(*args, dynamic_scaler_state=state, **kwargs)` returning
-    `(new_state, (value, grads))`, or `(new_state, ((value, aux), grads))` with
-    `has_aux`. `value` is exactly what `fun` returned (not scaled); `grads` are
-    unscaled with the scale the loss was multiplied by and have the parameters'
-    dtypes; `new_state.grads_finite` says whether they are finite.
+    Raises:
+        TypeError: `fun` is not callable, `has_aux` or `filter` is not a bool,
+            `redo_on_nan` is not an int; when `g` is called: `dynamic_scaler_state` is
+            missing or not a scaler state, or `fun` does not return a scalar
+            floating-point loss (or a `(loss, aux)` pair with `has_aux`).
+        ValueError: `redo_on_nan` is negative, or `argnums` is not a non-negative int or
+            a non-empty tuple of distinct ones (or names an argument `g` was not given).
 
     Example:
+        ```python
+        def loss_and_metrics(params, batch):
+            loss = loss_fn(params, batch)
+            return loss, {"loss": loss}
 
-    ```python
-    def loss_and_metrics(params, batch):
-        loss = loss_fn(params, batch)
-        return loss, {"loss": loss}
-
-    grad_fn = autocast.dynamic_scale_value_and_grad(autocast.amp(loss_and_metrics), has_aux=True)
-    state = autocast.DynamicScalerState()
-    state, ((loss, metrics), grads) = grad_fn(params, batch, dynamic_scaler_state=state)
-    params, opt_state = autocast.optimizer_update(params, optim, opt_state, grads, state.grads_finite)
-    ```
+        grad_fn = autocast.dynamic_scale_value_and_grad(autocast.amp(loss_and_metrics), has_aux=True)
+        state = autocast.DynamicScalerState()
+        state, ((loss, metrics), grads) = grad_fn(params, batch, dynamic_scaler_state=state)
+        params, opt_state = autocast.optimizer_update(params, optim, opt_state, grads, state.grads_finite)
+        ```
     """
     if fun is None:
         return functools.partial(
@@ -357,17 +366,30 @@ def dynamic_scale_grad(
 ) -> Callable:
     """Loss-scaled `grad` that also updates a scaler state.
 
-    Same arguments as `dynamic_scale_value_and_grad`.
+    Takes the arguments of `dynamic_scale_value_and_grad`, and raises the same errors.
 
-    **Returns:** a function `g(*args, dynamic_scaler_state=state, **kwargs)` returning
-    `(new_state, grads)`, or `(new_state, (grads, aux))` with `has_aux`.
+    Args:
+        fun: The loss function, returning a scalar floating-point loss (or
+            `(loss, aux)` with `has_aux=True`); omit it to use as a decorator with
+            arguments.
+        has_aux: As in `jax.grad`. NaNs in aux do not count as a failure.
+        redo_on_nan: On non-finite gradients, back off and recompute at most this many
+            times inside the step (dynamic scaler only).
+        filter: If True, differentiate like `equinox.filter_grad`; if False, like
+            `jax.grad`.
+        argnums: Which positional argument(s) to differentiate.
+        axis_name: Under `pmap`/`shard_map`, the mapped axis over which all devices
+            agree on the finite flag and hence on the new scale.
+
+    Returns:
+        A function `g(*args, dynamic_scaler_state=state, **kwargs)` returning
+            `(new_state, grads)`, or `(new_state, (grads, aux))` with `has_aux`.
 
     Example:
-
-    ```python
-    state = autocast.DynamicScalerState()
-    state, grads = autocast.dynamic_scale_grad(autocast.amp(loss_fn))(params, batch, dynamic_scaler_state=state)
-    ```
+        ```python
+        state = autocast.DynamicScalerState()
+        state, grads = autocast.dynamic_scale_grad(autocast.amp(loss_fn))(params, batch, dynamic_scaler_state=state)
+        ```
     """
     if fun is None:
         return functools.partial(

@@ -1,4 +1,4 @@
-"""``amp_stop``: a region in which every operation keeps its traced precision."""
+"""`amp_stop`: a region in which every operation keeps its traced precision."""
 
 from __future__ import annotations
 
@@ -18,19 +18,25 @@ F = TypeVar("F", bound=Callable[..., Any])
 def amp_stop(fn: None = None) -> contextlib.AbstractContextManager[None]: ...
 @overload
 def amp_stop(fn: F) -> F: ...
-def amp_stop(fn=None):
+def amp_stop(fn: Callable[..., Any] | None = None) -> Any:
     """Switch mixed precision off for a region: a context manager or a decorator.
 
-    Every operation traced inside (including inside nested ``jit``, ``scan``, ``cond``
-    and ``checkpoint`` bodies) runs in the dtypes it was traced with, whatever the policy.
-    It is the named scope ``"amp_stop"``, so it costs nothing outside :func:`autocast.amp`.
+    Every operation traced inside (including inside nested `jit`, `scan`, `cond`
+    and `checkpoint` bodies) runs in the dtypes it was traced with, whatever the policy.
+    It is the named scope `"amp_stop"`, so it costs nothing outside `autocast.amp`.
 
-    **Arguments:** `fn` (optional): a function to run with mixed precision off.
+    Args:
+        fn: A function to run with mixed precision off; without it, `amp_stop()` is a
+            context manager.
 
-    **Returns:** `fn` wrapped, or (without `fn`) a context manager.
+    Returns:
+        `fn` wrapped, or (without `fn`) a context manager.
 
-    Example::
+    Raises:
+        TypeError: `fn` is given but not callable.
 
+    Example:
+        ```python
         @autocast.amp_stop
         def precise_matmul(x, w):
             return x @ w
@@ -41,6 +47,7 @@ def amp_stop(fn=None):
             return precise_matmul(jnp.tanh(h), params["w2"])  # float32 too
 
         assert autocast.amp(f)(params, x).dtype == jnp.float32
+        ```
     """
     if fn is None:
         return jax.named_scope(AMP_STOP)

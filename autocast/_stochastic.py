@@ -162,30 +162,33 @@ def stochastic_round(tree: Any, dtype: Any, key: Any) -> Any:
     through. Computed with integer arithmetic on the float32 bits (see the module
     docstring), with independent random bits for every leaf and element.
 
-    **Arguments:**
+    Args:
+        tree: An array or any pytree (an Equinox module, Flax params or NNX state,
+            an optax state). float32 leaves are rounded; float16/bfloat16 leaves of the other
+            half dtype as well; leaves already in `dtype`, integer, boolean, float8, complex and
+            non-array leaves are returned as they are. float64 leaves raise (cast them first).
+        dtype: `jnp.bfloat16` or `jnp.float16`.
+        key: A PRNG key (`jax.random.key` or `jax.random.PRNGKey`). The same key gives
+            the same result. The `i`-th rounded leaf (in `jax.tree.leaves` order) gets the
+            64-bit seed `jax.random.bits(key, (n, 2))[i]`, and each element the hash of that
+            seed and its index (a counter-based generator: cheap to compile, and the same bits
+            however the array is sharded).
 
-    - `tree`: an array or any pytree (an Equinox module, Flax params or NNX state,
-      an optax state). float32 leaves are rounded; float16/bfloat16 leaves of the other
-      half dtype as well; leaves already in `dtype`, integer, boolean, float8, complex and
-      non-array leaves are returned as they are. float64 leaves raise (cast them first).
-    - `dtype`: `jnp.bfloat16` or `jnp.float16`.
-    - `key`: a PRNG key (`jax.random.key` or `jax.random.PRNGKey`). The same key gives
-      the same result. The `i`-th rounded leaf (in `jax.tree.leaves` order) gets the
-      64-bit seed `jax.random.bits(key, (n, 2))[i]`, and each element the hash of that
-      seed and its index (a counter-based generator: cheap to compile, and the same bits
-      however the array is sharded).
+    Returns:
+        `tree` with its float32 leaves (and those of the other half dtype) in `dtype`.
 
-    **Returns:** `tree` with its float32 leaves in `dtype`.
+    Raises:
+        ValueError: `dtype` is not bfloat16 or float16, or `key` is an array of several keys.
+        TypeError: A leaf is float64, or `key` is not a PRNG key.
 
     Example:
-
-    ```python
-    x = jnp.full((10_000,), 1.0 + 2.0**-10)  # between bfloat16's 1.0 and 1.0078125
-    y = autocast.stochastic_round(x, jnp.bfloat16, jax.random.key(0))
-    assert y.dtype == jnp.bfloat16 and set(np.unique(np.asarray(y, np.float32))) == {1.0, 1.0078125}
-    assert abs(float(jnp.mean(y.astype(jnp.float32))) - (1.0 + 2.0**-10)) < 2e-4  # unbiased
-    assert x.astype(jnp.bfloat16)[0] == 1.0  # round-to-nearest always gives 1.0
-    ```
+        ```python
+        x = jnp.full((10_000,), 1.0 + 2.0**-10)  # between bfloat16's 1.0 and 1.0078125
+        y = autocast.optim.stochastic_round(x, jnp.bfloat16, jax.random.key(0))
+        assert y.dtype == jnp.bfloat16 and set(np.unique(np.asarray(y, np.float32))) == {1.0, 1.0078125}
+        assert abs(float(jnp.mean(y.astype(jnp.float32))) - (1.0 + 2.0**-10)) < 2e-4  # unbiased
+        assert x.astype(jnp.bfloat16)[0] == 1.0  # round-to-nearest always gives 1.0
+        ```
     """
     half = _half_dtype(dtype, "stochastic_round")
     key = _check_key(key, "stochastic_round")
