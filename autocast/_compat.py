@@ -2,28 +2,28 @@
 
 The interpreter reads jaxprs, binds primitives and re-traces sub-jaxprs; those steps use
 a handful of names that JAX does not promise to keep stable. They are all read here (this is
-the only module that imports ``jax._src``; ``tests/test_compat_surface.py`` checks that every
-name it reads exists in the installed JAX, and that no other module imports ``jax._src``),
+the only module that imports `jax._src`; `tests/test_compat_surface.py` checks that every
+name it reads exists in the installed JAX, and that no other module imports `jax._src`),
 feature detected (never by comparing version strings), each branch commented with the release
 it serves, so that a JAX upgrade starts and mostly ends here. The suite runs on the oldest
-supported JAX (0.9.2, Python 3.11) and the newest (0.12, Python 3.13) via ``tests/run_tests.sh``.
+supported JAX (0.9.2, Python 3.11) and the newest (0.12, Python 3.13) via `tests/run_tests.sh`.
 
 Three modules build on these names and are the rest of the JAX-facing surface:
-:mod:`autocast._constructs` (one shape per custom-derivative / checkpoint / scan construct,
-for the classic and the hijax encodings), :mod:`autocast._tangent_product` (a primitive autocast
-defines) and :mod:`autocast._cpu_matmul` (an override of two XLA:CPU lowerings).
+`autocast._constructs` (one shape per custom-derivative / checkpoint / scan construct,
+for the classic and the hijax encodings), `autocast._tangent_product` (a primitive autocast
+defines) and `autocast._cpu_matmul` (an override of two XLA:CPU lowerings).
 
 What changed across the supported range, and where it is handled:
 
-- JAX 0.10: ``DropVar`` in ``jax.extend.core``.
-- JAX 0.11: ``ClosedJaxpr`` merged into ``Jaxpr``: :func:`is_closed`, :func:`close_jaxpr`.
-- JAX 0.12: the constants of a traced jaxpr are its leading invars (``constvars`` are only
-  those with values attached): :func:`bind_inputs` (also for the jaxprs that
-  custom-derivative thunks return), :func:`close_jaxpr`; ``scan`` describes its operand
-  groups with a ``FlatTree`` ``ft_in`` instead of ``num_consts``/``num_carry``:
-  :func:`scan_counts`; a ``custom_vjp`` ``bwd`` also returns logs
-  (:func:`autocast._constructs.call_custom_bwd`); ``batching.not_mapped`` removed
-  (:data:`NOT_MAPPED`); hijax encodings behind upgrade flags (:func:`hijax_flags`).
+- JAX 0.10: `DropVar` in `jax.extend.core`.
+- JAX 0.11: `ClosedJaxpr` merged into `Jaxpr`: `is_closed`, `close_jaxpr`.
+- JAX 0.12: the constants of a traced jaxpr are its leading invars (`constvars` are only
+  those with values attached): `bind_inputs` (also for the jaxprs that
+  custom-derivative thunks return), `close_jaxpr`; `scan` describes its operand
+  groups with a `FlatTree` `ft_in` instead of `num_consts`/`num_carry`:
+  `scan_counts`; a `custom_vjp` `bwd` also returns logs
+  (`autocast._constructs.call_custom_bwd`); `batching.not_mapped` removed
+  (`NOT_MAPPED`); hijax encodings behind upgrade flags (`hijax_flags`).
 """
 
 from __future__ import annotations
@@ -54,31 +54,31 @@ _CLOSED_IS_JAXPR = ClosedJaxpr is Jaxpr
 
 
 def is_jaxpr_like(x: Any) -> bool:
-    """A ``Jaxpr`` or ``ClosedJaxpr`` (both are the same class from JAX 0.11 on)."""
+    """A `Jaxpr` or `ClosedJaxpr` (both are the same class from JAX 0.11 on)."""
     return isinstance(x, (Jaxpr, ClosedJaxpr))
 
 
 def is_closed(x: Any) -> bool:
-    """Whether ``x`` carries its own constants (a ``ClosedJaxpr`` before JAX 0.11)."""
+    """Whether `x` carries its own constants (a `ClosedJaxpr` before JAX 0.11)."""
     return (not _CLOSED_IS_JAXPR) and isinstance(x, ClosedJaxpr)
 
 
 def open_and_consts(x: Any) -> tuple[Any, list[Any]]:
-    """The open ``Jaxpr`` and its constant values, for an open or closed jaxpr."""
+    """The open `Jaxpr` and its constant values, for an open or closed jaxpr."""
     if is_closed(x):
         return x.jaxpr, list(x.consts)
     return x, list(getattr(x, "consts", ()) or ())
 
 
 def bind(prim: Primitive, invals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
-    """Bind ``prim`` with equation ``params``; always returns a list of outputs. (JAX >=
-    0.9.2: ``get_bind_params`` returns a dict; call-like primitives keep their subfuns in it.)"""
+    """Bind `prim` with equation `params`; always returns a list of outputs. (JAX >=
+    0.9.2: `get_bind_params` returns a dict; call-like primitives keep their subfuns in it.)"""
     out = prim.bind(*invals, **prim.get_bind_params(params))
     return list(out) if prim.multiple_results else [out]
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
-    """``(num_consts, num_carry)`` of a ``scan`` equation's operands (consts, carry, xs)."""
+    """`(num_consts, num_carry)` of a `scan` equation's operands (consts, carry, xs)."""
     if "num_consts" in params:  # JAX <= 0.11: explicit counts
         return params["num_consts"], params["num_carry"]
     # JAX >= 0.12: a FlatTree ``ft_in`` groups the operands as (consts, carry, xs).
@@ -94,9 +94,9 @@ def eqn_context(eqn: Any) -> contextlib.AbstractContextManager:
 
 
 def scope_names(name_stack: Any) -> tuple[str, ...]:
-    """The ``jax.named_scope`` names of a name stack, outermost first.
+    """The `jax.named_scope` names of a name stack, outermost first.
 
-    Transformation markers (``jvp(...)``, ``transpose(...)``) are not scopes and are
+    Transformation markers (`jvp(...)`, `transpose(...)`) are not scopes and are
     skipped.
     """
     stack = getattr(name_stack, "stack", ())
@@ -110,10 +110,10 @@ def scope_names(name_stack: Any) -> tuple[str, ...]:
 
 
 def trace_to_jaxpr(fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any]) -> tuple[Any, list[Any]]:
-    """Trace ``fun`` (flat lists in, flat list out) at ``in_avals``.
+    """Trace `fun` (flat lists in, flat list out) at `in_avals`.
 
-    Returns ``(open_jaxpr, consts)``. Avals keep their sharding and varying-manual-axes
-    annotations, which ``jax.make_jaxpr`` on ``ShapeDtypeStruct`` would not.
+    Returns `(open_jaxpr, consts)`. Avals keep their sharding and varying-manual-axes
+    annotations, which `jax.make_jaxpr` on `ShapeDtypeStruct` would not.
     """
 
     def flat(*args):
@@ -132,7 +132,7 @@ def _debug_info(fun: Callable, in_avals: Sequence[Any]) -> Any:
 
 
 def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
-    """A closed jaxpr from an open one (as :func:`trace_to_jaxpr` returns it) and its
+    """A closed jaxpr from an open one (as `trace_to_jaxpr` returns it) and its
     constants."""
     if hasattr(jaxpr, "with_consts"):
         # JAX >= 0.12: constants are the values attached to the leading invars.
@@ -143,10 +143,10 @@ def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
 
 
 def bind_inputs(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[tuple[Any, Any, bool]]:
-    """Pair an open jaxpr's variables with ``consts`` and ``args``: ``(var, value, is_const)``.
+    """Pair an open jaxpr's variables with `consts` and `args`: `(var, value, is_const)`.
 
-    JAX <= 0.11 keeps ``constvars`` apart from ``invars``; from JAX 0.12 the constants of
-    a traced (open) jaxpr are its leading ``invars`` (``constvars`` are only those with
+    JAX <= 0.11 keeps `constvars` apart from `invars`; from JAX 0.12 the constants of
+    a traced (open) jaxpr are its leading `invars` (`constvars` are only those with
     values attached). Concatenating both lists pairs correctly on either side.
     """
     all_vars = [*jaxpr.constvars, *jaxpr.invars]
@@ -164,13 +164,13 @@ def constvars_to_invars(jaxpr: Any) -> Any:
 
 
 SAVED_NAME = "autocast_saved"
-"""``jax.ad_checkpoint.checkpoint_name`` of values every autocast checkpoint saves (the
+"""`jax.ad_checkpoint.checkpoint_name` of values every autocast checkpoint saves (the
 float8 operands and scales of an fp8 matmul: recomputing them costs more than keeping them)."""
 
 
 def checkpoint(fun: Callable, save: frozenset[str] = frozenset()) -> Callable:
-    """``jax.checkpoint`` saving only the outputs of the primitives named in ``save`` and
-    the values named :data:`SAVED_NAME`: everything else inside is recomputed in the
+    """`jax.checkpoint` saving only the outputs of the primitives named in `save` and
+    the values named `SAVED_NAME`: everything else inside is recomputed in the
     backward pass."""
 
     def policy(prim: Any, *_: Any, **params: Any) -> bool:
@@ -184,7 +184,7 @@ def jaxpr_as_fun(closed: Any) -> Callable[..., list[Any]]:
 
 
 def aval_with_dtype(aval: Any, dtype: Any) -> Any:
-    """``aval`` with another dtype (sharding and manual axes kept); weak type dropped."""
+    """`aval` with another dtype (sharding and manual axes kept); weak type dropped."""
     if aval.dtype == dtype:
         return aval
     return aval.update(dtype=dtype, weak_type=False)
@@ -215,13 +215,13 @@ _ZERO_TYPES = tuple(
 
 
 def is_zero(x: Any) -> bool:
-    """A symbolic zero (``ad_util.Zero`` or the public ``SymbolicZero``)."""
+    """A symbolic zero (`ad_util.Zero` or the public `SymbolicZero`)."""
     return isinstance(x, _ZERO_TYPES)
 
 
 def user_frame(source_info: Any) -> tuple[str, int] | None:
-    """``(file, line)`` of the innermost user frame (not JAX's own) of an equation's
-    ``source_info``, or None. ``jax._src.source_info_util.user_frame`` (JAX 0.4 to 0.12);
+    """`(file, line)` of the innermost user frame (not JAX's own) of an equation's
+    `source_info`, or None. `jax._src.source_info_util.user_frame` (JAX 0.4 to 0.12);
     a JAX without it gives None (explain and find_overflow then show no source)."""
     try:
         from jax._src import source_info_util as _siu
@@ -235,9 +235,9 @@ def user_frame(source_info: Any) -> tuple[str, int] | None:
 
 
 def saved_residuals(fun: Callable, *args: Any) -> list[tuple[Any, str]]:
-    """``(aval, description)`` of each residual ``jax.vjp(fun, *args)`` saves, as
-    ``jax.ad_checkpoint.print_saved_residuals`` prints them. JAX 0.4 to 0.12:
-    ``jax._src.ad_checkpoint.saved_residuals`` (the public module only prints)."""
+    """`(aval, description)` of each residual `jax.vjp(fun, *args)` saves, as
+    `jax.ad_checkpoint.print_saved_residuals` prints them. JAX 0.4 to 0.12:
+    `jax._src.ad_checkpoint.saved_residuals` (the public module only prints)."""
     from jax._src import ad_checkpoint as _adc
 
     return list(_adc.saved_residuals(fun, *args))
@@ -304,7 +304,7 @@ _PRIMITIVE_MODULES = (
 
 
 def discover_primitives() -> dict[str, list[Primitive]]:
-    """Every ``Primitive`` object JAX defines in its lax/control-flow/AD modules, by name."""
+    """Every `Primitive` object JAX defines in its lax/control-flow/AD modules, by name."""
     found: dict[str, dict[int, Primitive]] = {}
     for module in _PRIMITIVE_MODULES:
         try:
@@ -344,7 +344,7 @@ convert_hlo = _mlir.convert_hlo
 
 
 def lowering_rule(prim: Primitive, platform: str) -> tuple[Callable, bool] | None:
-    """``(rule, inline)`` of the lowering JAX registered for ``prim`` on ``platform`` (the
+    """`(rule, inline)` of the lowering JAX registered for `prim` on `platform` (the
     platform's own, else the generic one), or None where this JAX keeps its tables otherwise."""
     try:
         entry = _mlir._platform_specific_lowerings[platform].get(prim) or _mlir._lowerings[prim]
@@ -381,15 +381,15 @@ Scan3 = _class("jax._src.lax.control_flow.loops", "Scan3")
 
 
 def hi_prim(eqn: Any) -> Any | None:
-    """The ``HiPrim`` object of a ``call_hi_primitive`` equation, else None."""
+    """The `HiPrim` object of a `call_hi_primitive` equation, else None."""
     if call_hi_primitive_p is None or eqn.primitive is not call_hi_primitive_p:
         return None
     return eqn.params.get("_prim")
 
 
 def hi_bodies(eqn: Any) -> list[Any]:
-    """The jaxprs a ``call_hi_primitive`` equation holds (its body; [] for an opaque one such
-    as ``SearchSorted``, or for any other equation)."""
+    """The jaxprs a `call_hi_primitive` equation holds (its body; [] for an opaque one such
+    as `SearchSorted`, or for any other equation)."""
     prim = hi_prim(eqn)
     if prim is None:
         return []
@@ -403,23 +403,23 @@ def hi_bodies(eqn: Any) -> list[Any]:
 
 
 def hi_name(eqn: Any) -> str | None:
-    """``RematTraced``, ``CustomJVPTraced``, ... for a ``call_hi_primitive`` equation."""
+    """`RematTraced`, `CustomJVPTraced`, ... for a `call_hi_primitive` equation."""
     prim = hi_prim(eqn)
     return None if prim is None else type(prim).__name__
 
 
 def hi_param(eqn: Any, key: str, default: Any = None) -> Any:
-    """A parameter of a ``call_hi_primitive`` equation's ``HiPrim`` (``Scan3``'s ``length``,
-    ``extensives``, ...), else ``default``."""
+    """A parameter of a `call_hi_primitive` equation's `HiPrim` (`Scan3`'s `length`,
+    `extensives`, ...), else `default`."""
     prim = hi_prim(eqn)
     params = getattr(prim, "params", None) or {}
     return params.get(key, default)
 
 
 def fun_name(eqn: Any) -> str | None:
-    """The user function a custom-derivative equation wraps (``relu``), in either encoding:
-    the ``Traced`` of ``CustomJVPTraced``/``CustomVJPTraced``, or the ``call_jaxpr``'s debug
-    info of ``custom_jvp_call``/``custom_vjp_call``."""
+    """The user function a custom-derivative equation wraps (`relu`), in either encoding:
+    the `Traced` of `CustomJVPTraced`/`CustomVJPTraced`, or the `call_jaxpr`'s debug
+    info of `custom_jvp_call`/`custom_vjp_call`."""
     traced = hi_param(eqn, "traced")
     if traced is not None:
         return getattr(traced, "fun_name", None)
@@ -440,36 +440,36 @@ def _flag_state(name: str) -> Any | None:
 
 
 def has_flag(name: str) -> bool:
-    """Whether this JAX has the upgrade flag ``jax_<name>`` (``remat3``, ``scan3``, ...)."""
+    """Whether this JAX has the upgrade flag `jax_<name>` (`remat3`, `scan3`, ...)."""
     return _flag_state(name) is not None
 
 
 def flag_on(name: str) -> bool:
-    """The current value of the upgrade flag ``jax_<name>`` (False where JAX lacks it)."""
+    """The current value of the upgrade flag `jax_<name>` (False where JAX lacks it)."""
     state = _flag_state(name)
     return bool(state is not None and state.value)
 
 
 def float8_residuals_exact() -> bool:
-    """Whether a float8 value that a ``custom_vjp`` forward pass names for a ``jax.checkpoint``
-    to save reaches the backward pass unchanged. Not with ``jax_remat3`` and
-    ``jax_custom_vjp3`` both on (JAX 0.12.0.1: some values come back changed; either flag
+    """Whether a float8 value that a `custom_vjp` forward pass names for a `jax.checkpoint`
+    to save reaches the backward pass unchanged. Not with `jax_remat3` and
+    `jax_custom_vjp3` both on (JAX 0.12.0.1: some values come back changed; either flag
     alone, bfloat16 and integer values are exact): there the float8 residuals of
-    :mod:`autocast._fp8` are saved as their ``uint8`` bits."""
+    `autocast._fp8` are saved as their `uint8` bits."""
     return not (flag_on("remat3") and flag_on("custom_vjp3"))
 
 
 def checkpoint_keeps_custom_vjp_operands() -> bool:
-    """Whether a ``jax.checkpoint`` whose policy saves a ``custom_vjp`` 's primal operand
+    """Whether a `jax.checkpoint` whose policy saves a `custom_vjp` 's primal operand
     (a matmul result it names) keeps it even where the backward pass reads only the
-    residuals the forward pass named: so under ``jax_remat3`` (JAX 0.12.0.1). A float8 copy
+    residuals the forward pass named: so under `jax_remat3` (JAX 0.12.0.1). A float8 copy
     kept besides it would then add bytes instead of replacing them."""
     return flag_on("remat3")
 
 
 def with_flag(name: str, value: bool = True) -> contextlib.AbstractContextManager:
-    """A context manager that sets ``jax_<name>`` for what is traced (on JAX 0.9, for what is
-    decorated: define the function inside). Raises ``ValueError`` where JAX lacks the flag."""
+    """A context manager that sets `jax_<name>` for what is traced (on JAX 0.9, for what is
+    decorated: define the function inside). Raises `ValueError` where JAX lacks the flag."""
     state = _flag_state(name)
     if state is None:
         raise ValueError(f"with_flag(name={name!r}): this JAX ({jax.__version__}) has no flag jax_{name}")
@@ -482,7 +482,7 @@ CheckpointNameFwd = _class("jax._src.ad_checkpoint", "CheckpointNameFwd")
 
 
 def is_ref(x: Any) -> bool:
-    """A mutable array reference (``jax.new_ref``; a scan carry under ``jax_scan3``): its
+    """A mutable array reference (`jax.new_ref`; a scan carry under `jax_scan3`): its
     dtype is fixed when it is made, so it is never cast."""
     aval = getattr(x, "aval", None) if is_tracer(x) else None
     return _AbstractRef is not None and isinstance(aval, _AbstractRef)
@@ -494,6 +494,6 @@ def is_ref_aval(aval: Any) -> bool:
 
 def hijax_flags() -> dict[str, Any]:
     """JAX's upgrade flags for the hijax encodings that this JAX has, by name (those of
-    ``HIJAX_FLAGS``): each value is the config state, usable as a context manager
-    (``with flags["remat3"](True): ...``)."""
+    `HIJAX_FLAGS`): each value is the config state, usable as a context manager
+    (`with flags["remat3"](True): ...`)."""
     return {n: state for n in HIJAX_FLAGS if callable(state := _flag_state(n))}

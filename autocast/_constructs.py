@@ -1,14 +1,14 @@
 """One shape per construct, whichever way JAX encoded it: the adapters the handlers use.
 
-The handlers of :mod:`autocast._higher_order` and :mod:`autocast._hijax` transform a
+The handlers of `autocast._higher_order` and `autocast._hijax` transform a
 construct's body and call its rules in the dtypes values arrive in; these adapters give them
-the same pieces whichever way JAX encoded it: ``custom_jvp_call`` / ``custom_vjp_call`` /
-``checkpoint`` equations, or one ``call_hi_primitive`` equation holding a ``CustomJVPTraced`` /
-``CustomVJPTraced`` / ``RematTraced`` / ``Scan3`` (JAX 0.12 with ``jax_custom_jvp3`` /
-``jax_custom_vjp3`` / ``jax_remat3`` / ``jax_scan3``; JAX 0.9.2 has ``CustomVJPTraced`` with
-``jax_custom_vjp3``, applied to the arguments only, with its rules taken as the user wrote
-them). They read the attributes of JAX's construct objects (``HiPrim.params``, ``.traced``,
-``.jvp_rule``, ...), the second of the two places (with :mod:`autocast._compat`, which finds
+the same pieces whichever way JAX encoded it: `custom_jvp_call` / `custom_vjp_call` /
+`checkpoint` equations, or one `call_hi_primitive` equation holding a `CustomJVPTraced` /
+`CustomVJPTraced` / `RematTraced` / `Scan3` (JAX 0.12 with `jax_custom_jvp3` /
+`jax_custom_vjp3` / `jax_remat3` / `jax_scan3`; JAX 0.9.2 has `CustomVJPTraced` with
+`jax_custom_vjp3`, applied to the arguments only, with its rules taken as the user wrote
+them). They read the attributes of JAX's construct objects (`HiPrim.params`, `.traced`,
+`.jvp_rule`, ...), the second of the two places (with `autocast._compat`, which finds
 the classes) that a JAX upgrade may have to touch.
 """
 
@@ -30,20 +30,20 @@ _BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
 
 
 def call_jvp_rule_thunk(thunk: Any, zeros: Sequence[bool]) -> tuple[Any, list[Any], list[bool]]:
-    """The JVP rule of a ``custom_jvp_call`` traced for these symbolic-zero tangent flags:
-    ``(open_jaxpr, consts, out_zeros)``; the jaxpr takes the primals, then the nonzero
+    """The JVP rule of a `custom_jvp_call` traced for these symbolic-zero tangent flags:
+    `(open_jaxpr, consts, out_zeros)`; the jaxpr takes the primals, then the nonzero
     tangents, and returns the primal outputs, then the nonzero output tangents.
 
-    JAX 0.9.2 .. 0.12: ``jvp_jaxpr_fun`` is an ``lu.WrappedFun`` called with the flags.
+    JAX 0.9.2 .. 0.12: `jvp_jaxpr_fun` is an `lu.WrappedFun` called with the flags.
     """
     jaxpr, consts, out_zeros = thunk.call_wrapped(*zeros)
     return jaxpr, list(consts), list(out_zeros)
 
 
 def call_custom_bwd(bwd: Any, res: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
-    """Call the flattened ``bwd`` of a ``custom_vjp_call`` equation on flat residuals and
+    """Call the flattened `bwd` of a `custom_vjp_call` equation on flat residuals and
     output cotangents; returns one cotangent per non-constant operand (zeros may be
-    symbolic: see :func:`is_zero`)."""
+    symbolic: see `is_zero`)."""
     out = bwd.call_wrapped(*res, *cts)
     if _BWD_RETURNS_LOGS:  # JAX >= 0.12
         out = out[0]
@@ -62,10 +62,10 @@ def _leaves(tree: Any) -> list[Any]:
 
 
 class CustomJVPParts(NamedTuple):
-    """A custom JVP construct: ``body`` (a jaxpr whose invars are the operands, one to one);
-    the first ``n_consts`` operands carry no tangent; ``rule(zeros)`` traces the JVP rule for
-    these symbolic-zero flags (one per operand after ``n_consts``) and returns ``(open_jaxpr,
-    consts, out_zeros)``: the jaxpr takes the operands from ``rule_skip`` on, then the nonzero
+    """A custom JVP construct: `body` (a jaxpr whose invars are the operands, one to one);
+    the first `n_consts` operands carry no tangent; `rule(zeros)` traces the JVP rule for
+    these symbolic-zero flags (one per operand after `n_consts`) and returns `(open_jaxpr,
+    consts, out_zeros)`: the jaxpr takes the operands from `rule_skip` on, then the nonzero
     tangents, and returns the primal outputs, then the nonzero output tangents."""
 
     body: Any
@@ -76,13 +76,13 @@ class CustomJVPParts(NamedTuple):
 
 
 class CustomVJPParts(NamedTuple):
-    """A custom VJP construct: ``body`` as for :class:`CustomJVPParts`; ``fwd(perturbed)``
-    (one flag per operand after ``n_consts``) traces the forward rule: ``(open_jaxpr, consts,
-    input_fwds)``; the jaxpr takes the operands from ``fwd_skip`` on and returns the computed
-    residuals, then the primal outputs; ``input_fwds[i]`` is None for a computed residual or
-    the index of the operand residual ``i`` is. ``bwd(res, cts)`` calls the user's backward
+    """A custom VJP construct: `body` as for `CustomJVPParts`; `fwd(perturbed)`
+    (one flag per operand after `n_consts`) traces the forward rule: `(open_jaxpr, consts,
+    input_fwds)`; the jaxpr takes the operands from `fwd_skip` on and returns the computed
+    residuals, then the primal outputs; `input_fwds[i]` is None for a computed residual or
+    the index of the operand residual `i` is. `bwd(res, cts)` calls the user's backward
     rule on flat residuals and output cotangents: one cotangent per operand after
-    ``n_consts`` (zeros may be symbolic: :func:`is_zero`)."""
+    `n_consts` (zeros may be symbolic: `is_zero`)."""
 
     body: Any
     n_consts: int
@@ -93,7 +93,7 @@ class CustomVJPParts(NamedTuple):
 
 
 def custom_jvp_parts(eqn: Any) -> CustomJVPParts | None:
-    """The pieces of a ``custom_jvp_call`` or ``CustomJVPTraced`` equation (None if this
+    """The pieces of a `custom_jvp_call` or `CustomJVPTraced` equation (None if this
     JAX stores them in a form autocast does not know)."""
     prim: Any = hi_prim(eqn)
     if prim is None:
@@ -134,7 +134,7 @@ def custom_jvp_parts(eqn: Any) -> CustomJVPParts | None:
 
 
 def custom_vjp_parts(eqn: Any) -> CustomVJPParts | None:
-    """The pieces of a ``custom_vjp_call`` or ``CustomVJPTraced`` equation (None if this
+    """The pieces of a `custom_vjp_call` or `CustomVJPTraced` equation (None if this
     JAX stores them in a form autocast does not know)."""
     prim: Any = hi_prim(eqn)
     if prim is None:
@@ -192,7 +192,7 @@ def custom_vjp_parts(eqn: Any) -> CustomVJPParts | None:
 
 
 def remat_parts(eqn: Any) -> tuple[Any, Any] | None:
-    """``(body, policy)`` of a ``checkpoint`` or ``RematTraced`` equation (the body's invars
+    """`(body, policy)` of a `checkpoint` or `RematTraced` equation (the body's invars
     are the operands, one to one), else None."""
     if _compat.remat_p is not None and eqn.primitive is _compat.remat_p:
         return eqn.params["jaxpr"], eqn.params.get("policy")
@@ -203,8 +203,8 @@ def remat_parts(eqn: Any) -> tuple[Any, Any] | None:
 
 
 def remat_bind(eqn: Any, body: Any, extra: Sequence[Any], invals: Sequence[Any]) -> list[Any]:
-    """The checkpoint of ``eqn`` (same policy and ``prevent_cse``) around a new ``body`` that
-    takes ``extra`` constants before the operands."""
+    """The checkpoint of `eqn` (same policy and `prevent_cse`) around a new `body` that
+    takes `extra` constants before the operands."""
     prim: Any = hi_prim(eqn)
     if prim is None:
         return _compat.bind(eqn.primitive, [*extra, *invals], dict(eqn.params, jaxpr=body))
@@ -215,8 +215,8 @@ def remat_bind(eqn: Any, body: Any, extra: Sequence[Any], invals: Sequence[Any])
 
 
 def scan3_parts(eqn: Any) -> tuple[Any, list[bool]] | None:
-    """``(body, extensives)`` of a ``Scan3`` equation: the body's invars are the operands one
-    to one (loop carries are refs among them); ``extensives[i]``: operand ``i`` is scanned
+    """`(body, extensives)` of a `Scan3` equation: the body's invars are the operands one
+    to one (loop carries are refs among them); `extensives[i]`: operand `i` is scanned
     over. None for any other equation."""
     prim: Any = hi_prim(eqn)
     if _is_a(prim, _compat.Scan3):
@@ -225,8 +225,8 @@ def scan3_parts(eqn: Any) -> tuple[Any, list[bool]] | None:
 
 
 def scan3_bind(eqn: Any, body: Any, extra: Sequence[Any], invals: Sequence[Any]) -> list[Any]:
-    """The ``Scan3`` of ``eqn`` (same length, ``reverse``, ``unroll``) over a new ``body``
-    that takes ``extra`` loop-invariant constants first."""
+    """The `Scan3` of `eqn` (same length, `reverse`, `unroll`) over a new `body`
+    that takes `extra` loop-invariant constants first."""
     prim: Any = hi_prim(eqn)
     p = prim.params
     ext = [False] * len(extra) + list(p["extensives"])
@@ -234,19 +234,19 @@ def scan3_bind(eqn: Any, body: Any, extra: Sequence[Any], invals: Sequence[Any])
 
 
 def is_checkpoint_name(eqn: Any) -> bool:
-    """A ``checkpoint_name`` under ``jax_remat3`` (``CheckpointName`` / ``CheckpointNameFwd``)."""
+    """A `checkpoint_name` under `jax_remat3` (`CheckpointName` / `CheckpointNameFwd`)."""
     prim: Any = hi_prim(eqn)
     return _is_a(prim, _compat.CheckpointName) or _is_a(prim, _compat.CheckpointNameFwd)
 
 
 def checkpoint_name_bind(eqn: Any, x: Any) -> list[Any]:
-    """The ``checkpoint_name`` of ``eqn`` applied to ``x`` in the dtype ``x`` has."""
+    """The `checkpoint_name` of `eqn` applied to `x` in the dtype `x` has."""
     prim: Any = hi_prim(eqn)
     return [type(prim)(prim.params["name"], _compat.typeof(x))(x)]
 
 
 def narrow_body(eqn: Any) -> Any | None:
-    """The body of a ``RematTraced`` or ``CustomJVPTraced`` equation (invars: its operands,
+    """The body of a `RematTraced` or `CustomJVPTraced` equation (invars: its operands,
     one to one), else None."""
     parts = remat_parts(eqn)
     if parts is not None:

@@ -1,31 +1,31 @@
 """Half x half -> float32 matmuls on XLA:CPU: a process-wide override of two CPU lowerings.
 
-**What it changes.** At import, :mod:`autocast` wraps JAX's CPU lowering rules of
-``dot_general`` and ``conv_general_dilated`` (``mlir.register_lowering(..., platform="cpu")``
+**What it changes.** At import, `autocast` wraps JAX's CPU lowering rules of
+`dot_general` and `conv_general_dilated` (`mlir.register_lowering(..., platform="cpu")`
 around the rule JAX registered). The wrapper changes only matmuls whose two operands share
-one half dtype (``bfloat16`` or ``float16``) and whose result is ``float32``, and only for a
-dtype whose XLA:CPU probe failed (:func:`_cpu_has_float32_result`): it converts their operands
+one half dtype (`bfloat16` or `float16`) and whose result is `float32`, and only for a
+dtype whose XLA:CPU probe failed (`_cpu_has_float32_result`): it converts their operands
 to float32 in the lowered program. Every other lowering, every other platform, and programs
 that hold no such matmul are untouched. It is process-wide because JAX's lowering tables are;
-it affects code outside :func:`autocast.amp` only if that code writes such a matmul itself,
+it affects code outside `autocast.amp` only if that code writes such a matmul itself,
 and then it turns a runtime failure into the same products computed in float32.
 
 **Why.** XLA:CPU (jaxlib 0.9.2 through 0.12.0.1 at least) rewrites most bfloat16 matmuls to
 float32 ones, but not one whose transpose is folded into it after that rewrite: its runtime
-then fails with ``Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32``. GPUs
+then fails with `Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32`. GPUs
 run these matmuls natively (cuBLASLt, Triton), and amp writes them on purpose (a matmul read
-only in float32 stores a float32 result, :mod:`autocast._wide`; the weight gradient of a
-parameter, :mod:`autocast._tangent_product`). So the jaxpr always holds the plain half x half
+only in float32 stores a float32 result, `autocast._wide`; the weight gradient of a
+parameter, `autocast._tangent_product`). So the jaxpr always holds the plain half x half
 -> float32 matmul, and only its *lowering for CPU* widens the operands first: the same
 products (exact in float32) and the same float32 accumulation as XLA:CPU's own rewrite. The
 decision is the lowering platform's, never the host's: a program compiled for a GPU from a
-CPU process (AOT, ``jit(backend=)``, a mesh of GPU devices) keeps its half-precision GEMMs.
+CPU process (AOT, `jit(backend=)`, a mesh of GPU devices) keeps its half-precision GEMMs.
 
-**How.** Lowering never compiles, so the answer is probed before: :func:`prepare` (called by
+**How.** Lowering never compiles, so the answer is probed before: `prepare` (called by
 amp wherever it binds a matmul) runs the failing pattern once per dtype on the CPU backend
 and records the answer, which the lowering rule reads. Where JAX lacks the internals the
-override needs, :data:`WIDEN_AT_LOWERING` is False and :func:`prepare` widens at trace time
-instead, for a CPU default backend. ``docs/internals.md`` describes it too.
+override needs, `WIDEN_AT_LOWERING` is False and `prepare` widens at trace time
+instead, for a CPU default backend. `docs/internals.md` describes it too.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def _half_f32_dtype(invals: Sequence[Any], preferred: Any) -> str | None:
 
 
 def prepare(prim: Any, invals: Sequence[Any], preferred: Any) -> Sequence[Any]:
-    """The operands with which to bind ``prim``: unchanged, after probing XLA:CPU once per
-    dtype for a half x half -> float32 ``prim`` (its CPU lowering reads the answer); widened
+    """The operands with which to bind `prim`: unchanged, after probing XLA:CPU once per
+    dtype for a half x half -> float32 `prim` (its CPU lowering reads the answer); widened
     to float32 here only where the lowering rule could not be registered and the default
     backend is CPU."""
     name = _half_f32_dtype(invals, preferred) if getattr(prim, "name", prim) in _MATMULS else None
@@ -69,7 +69,7 @@ def prepare(prim: Any, invals: Sequence[Any], preferred: Any) -> Sequence[Any]:
 
 
 def _cpu_has_float32_result(dtype_name: str) -> bool:
-    """Whether XLA:CPU runs a ``dtype`` x ``dtype`` -> float32 matmul in every layout:
+    """Whether XLA:CPU runs a `dtype` x `dtype` -> float32 matmul in every layout:
     probed with exactly the failing pattern (a matmul read through a transpose), never by
     version. False (widen: always correct) where there is no CPU backend to ask."""
 
@@ -119,7 +119,7 @@ WIDEN_AT_LOWERING = _register()
 
 
 def bind(prim: Any, invals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
-    """:func:`autocast._compat.bind`, with the operands of a half x half -> float32 matmul
-    prepared for its CPU lowering (:func:`prepare`). The interpreter binds every equation a
+    """`autocast._compat.bind`, with the operands of a half x half -> float32 matmul
+    prepared for its CPU lowering (`prepare`). The interpreter binds every equation a
     rule ruled on through this (any of them may be such a matmul)."""
     return _compat.bind(prim, prepare(prim, invals, params.get("preferred_element_type")), params)

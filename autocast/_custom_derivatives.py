@@ -1,13 +1,13 @@
-"""Custom derivatives: the body and the rules of ``jax.custom_jvp`` / ``jax.custom_vjp`` in the
+"""Custom derivatives: the body and the rules of `jax.custom_jvp` / `jax.custom_vjp` in the
 arriving dtypes.
 
-``custom_jvp_call`` / ``custom_vjp_call`` equations are rebuilt through ``jax.custom_jvp`` /
-``jax.custom_vjp`` (their pieces, and those of the hijax encodings that :mod:`autocast._hijax`
-dispatches here, come through the :mod:`autocast._constructs` adapters). The body, the JVP
+`custom_jvp_call` / `custom_vjp_call` equations are rebuilt through `jax.custom_jvp` /
+`jax.custom_vjp` (their pieces, and those of the hijax encodings that `autocast._hijax`
+dispatches here, come through the `autocast._constructs` adapters). The body, the JVP
 rule and the forward rule run in the dtypes their operands arrive in, under the same policy;
-the user's ``bwd`` runs under the forward's policy (``custom_vjp_bwd="amp"``) or is called
-with the residuals and cotangents as they arrive (``"original"``), adapted at its boundary
-if it cannot take them. So ``relu(x16)`` stays half and saves half (or boolean) residuals.
+the user's `bwd` runs under the forward's policy (`custom_vjp_bwd="amp"`) or is called
+with the residuals and cotangents as they arrive (`"original"`), adapted at its boundary
+if it cannot take them. So `relu(x16)` stays half and saves half (or boolean) residuals.
 A custom JVP whose body computes in float32 (softplus) is part of a float32 island.
 """
 
@@ -28,12 +28,12 @@ from ._registry import register_higher_order
 
 def custom_jvp_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool | str]:
     """The pull rule of a custom JVP call that is part of a float32 island
-    (:func:`call_computes_in_float32`: ``jax.nn.softmax`` under ``jax_softmax_custom_jvp``,
-    ``softplus``): the operands its body consumes only in float32 are taken in float32, so
+    (`call_computes_in_float32`: `jax.nn.softmax` under `jax_softmax_custom_jvp`,
+    `softplus`): the operands its body consumes only in float32 are taken in float32, so
     their producer is computed in float32 inside the island, as for the same operations
-    written out. ``softmax(scores + mask)`` with a float32 additive mask passed as an
-    argument then adds in float32 (``finfo(float32).min`` stays finite; rounded to half
-    first it was ``-inf``, and a fully masked row NaN). Nothing more is kept: the island is
+    written out. `softmax(scores + mask)` with a float32 additive mask passed as an
+    argument then adds in float32 (`finfo(float32).min` stays finite; rounded to half
+    first it was `-inf`, and a fully masked row NaN). Nothing more is kept: the island is
     recomputed from the half-precision scores. Any other custom JVP call takes its
     operands as they arrive (its rule would otherwise run, and save, in float32)."""
     parts = _constructs.custom_jvp_parts(eqn)  # its body's invars: the operands, one to one
@@ -85,14 +85,14 @@ def _zero_tangent(aval: Any) -> Any:
 
 
 def call_computes_in_float32(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> bool:
-    """Whether a custom JVP call computes in float32 (softplus: ``logaddexp(x, 0)``), judged
+    """Whether a custom JVP call computes in float32 (softplus: `logaddexp(x, 0)`), judged
     from its body: the jaxpr JAX traced for the primal function, through nested calls. Its
     call is then recomputed in the backward pass from the half-precision primals instead of
     saving the float32 intermediates of its rule, as any other float32 island (the planner
     makes it part of one; memoised per equation).
 
     The JVP rule itself is never traced to decide this: it is user code that JAX runs only
-    when the call is differentiated, and it may refuse to be (``eqx.nondifferentiable``
+    when the call is differentiated, and it may refuse to be (`eqx.nondifferentiable`
     raises when traced). A rule that computes in float32 behind a body that does not keeps
     its float32 residuals (more memory, same values)."""
     if not ctx.remat:
@@ -106,13 +106,13 @@ def call_computes_in_float32(ctx: Context, eqn: Any, scopes: tuple, out32: Seque
 
 
 def custom_jvp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
-    """A custom JVP (``custom_jvp_call`` or ``CustomJVPTraced``) rebuilt with
-    ``jax.custom_jvp``: the body specialised to the arriving dtypes, and a JVP rule that
+    """A custom JVP (`custom_jvp_call` or `CustomJVPTraced`) rebuilt with
+    `jax.custom_jvp`: the body specialised to the arriving dtypes, and a JVP rule that
     evaluates the user's rule (the jaxpr JAX traces for it) with the same policy on the
     arriving primals and tangents. Its outputs are cast to the body's output dtypes, which
-    ``custom_jvp`` requires. A rule that computes in float32 is recomputed in the backward
+    `custom_jvp` requires. A rule that computes in float32 is recomputed in the backward
     pass: a checkpoint around the call (JAX cannot linearize a checkpoint inside a custom
-    JVP rule under ``jax_remat3``)."""
+    JVP rule under `jax_remat3`)."""
     parts = _constructs.custom_jvp_parts(eqn)
     if parts is None:
         return hi_original(ctx, eqn, invals, in_free, scopes)
@@ -149,17 +149,17 @@ register_higher_order(
 
 
 def custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
-    """A custom VJP (``custom_vjp_call`` or ``CustomVJPTraced``) rebuilt with
-    ``jax.custom_vjp``: the body and the forward rule (the jaxpr JAX traces for the user's
-    ``fwd``) run with the same policy in the arriving dtypes, so residuals may be half
+    """A custom VJP (`custom_vjp_call` or `CustomVJPTraced`) rebuilt with
+    `jax.custom_vjp`: the body and the forward rule (the jaxpr JAX traces for the user's
+    `fwd`) run with the same policy in the arriving dtypes, so residuals may be half
     precision.
 
-    The user's ``bwd`` runs under the forward's policy too (``ctx.custom_vjp_bwd == "amp"``,
-    the default; PyTorch's ``custom_bwd``): it is traced as JAX would call it (residuals and
+    The user's `bwd` runs under the forward's policy too (`ctx.custom_vjp_bwd == "amp"`,
+    the default; PyTorch's `custom_bwd`): it is traced as JAX would call it (residuals and
     cotangents in their traced dtypes) and that jaxpr is evaluated with the same rules on the
     residuals and cotangents as they arrive, so a backward pass that recomputes the forward
-    (``jax.vjp`` inside ``bwd``: diffrax's checkpointed loop) has half-precision matmuls and
-    float32 reductions. With ``"original"`` the ``bwd`` is called as written on the
+    (`jax.vjp` inside `bwd`: diffrax's checkpointed loop) has half-precision matmuls and
+    float32 reductions. With `"original"` the `bwd` is called as written on the
     residuals and cotangents as they arrive (if it raises, again on them cast to the traced
     dtypes). Either way its cotangents are cast to the dtypes the operands arrived in."""
     parts = _constructs.custom_vjp_parts(eqn)
@@ -215,7 +215,7 @@ def custom_vjp(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tupl
 
 
 def _traced_aval(x: Any, dtype: Any) -> Any:
-    """The abstract value of ``x`` with the dtype it was traced with (float dtypes only)."""
+    """The abstract value of `x` with the dtype it was traced with (float dtypes only)."""
     aval = _compat.typeof(x)
     if _dtypes.is_castable(dtype) and _dtypes.is_castable(aval.dtype):
         return _compat.aval_with_dtype(aval, dtype)
@@ -232,7 +232,7 @@ def _bwd_under_policy(
     in_dtypes: Sequence[Any],
     scopes: tuple,
 ) -> list[Any]:
-    """A custom VJP's ``bwd`` evaluated under the policy: traced on residuals and
+    """A custom VJP's `bwd` evaluated under the policy: traced on residuals and
     cotangents of the traced dtypes (symbolic zeros passed as they are), then re-evaluated
     with the casting rules on the values as they arrive. Returns its cotangents (None where
     it returns None or a symbolic zero)."""

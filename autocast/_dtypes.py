@@ -54,7 +54,7 @@ def canonical_compute_dtype(dtype: Any, *, argument: str = "compute_dtype") -> n
 
 
 def dtype_of(x: Any) -> Any:
-    """``x``'s dtype: a NumPy dtype, or an extended dtype as JAX has it (a PRNG key's)."""
+    """`x`'s dtype: a NumPy dtype, or an extended dtype as JAX has it (a PRNG key's)."""
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return np.dtype(np.result_type(x))
@@ -80,7 +80,7 @@ def is_floating(dtype: Any) -> bool:
 
 
 def widest(dtypes: Any) -> np.dtype:
-    """The narrowest castable dtype that represents all of ``dtypes`` exactly."""
+    """The narrowest castable dtype that represents all of `dtypes` exactly."""
     dtypes = {np.dtype(d) for d in dtypes}
     if len(dtypes) == 1:
         return next(iter(dtypes))
@@ -103,7 +103,7 @@ def memoised_casts() -> Iterator[None]:
 
 
 class _Lazy:
-    """A memo entry built on first use (see :func:`cast_override`)."""
+    """A memo entry built on first use (see `cast_override`)."""
 
     def __init__(self, make):
         self.make, self.value = make, None
@@ -116,8 +116,8 @@ class _Lazy:
 
 @contextlib.contextmanager
 def cast_override(x: Any, dtype: Any, make) -> Iterator[None]:
-    """Within the block, ``cast(x, dtype)`` returns ``make()`` (built once, on first use)
-    instead of a plain convert. Needs an enclosing :func:`memoised_casts`."""
+    """Within the block, `cast(x, dtype)` returns `make()` (built once, on first use)
+    instead of a plain convert. Needs an enclosing `memoised_casts`."""
     memo = _cast_memo.get()
     if memo is None:
         yield
@@ -135,13 +135,13 @@ def cast_override(x: Any, dtype: Any, make) -> Iterator[None]:
 
 
 def cast(x: Any, dtype: Any) -> Any:
-    """Cast ``x`` to ``dtype`` if it is castable and not already of that dtype.
+    """Cast `x` to `dtype` if it is castable and not already of that dtype.
 
     A concrete value (a literal, a NumPy or JAX constant) saturates: a finite value beyond
     the target dtype's range becomes its largest finite value instead of an infinity
-    (infinities and NaNs stay as they are), so ``jnp.finfo(jnp.float32).min`` used as a mask
+    (infinities and NaNs stay as they are), so `jnp.finfo(jnp.float32).min` used as a mask
     value stays a large negative number in float16 and bfloat16 and a fully masked softmax
-    row does not become NaN. Traced values convert as they are (see :func:`saturating_cast`).
+    row does not become NaN. Traced values convert as they are (see `saturating_cast`).
     """
     if not is_castable(dtype):  # never to an integer, boolean or key dtype (nor from one, below)
         return x
@@ -162,12 +162,12 @@ def cast(x: Any, dtype: Any) -> Any:
 
 
 def narrower(dtype: Any, than: Any) -> bool:
-    """Whether ``dtype`` has a smaller range than ``than`` (float16 or bfloat16 below float32)."""
+    """Whether `dtype` has a smaller range than `than` (float16 or bfloat16 below float32)."""
     return bool(jnp.finfo(dtype).max < jnp.finfo(than).max)
 
 
 def fits(x: Any, dtype: Any) -> bool:
-    """Whether every finite value of the concrete ``x`` is within ``dtype``'s finite range."""
+    """Whether every finite value of the concrete `x` is within `dtype`'s finite range."""
     a = np.asarray(x, dtype=np.float32)
     limit = float(jnp.finfo(dtype).max)
     return bool(np.all(~np.isfinite(a) | (np.abs(a) <= limit)))
@@ -180,10 +180,10 @@ def is_concrete(x: Any) -> bool:
 
 
 def saturating_cast(x: Any, dtype: Any) -> Any:
-    """``x`` cast to ``dtype``, a finite value beyond its range clamped to its largest
+    """`x` cast to `dtype`, a finite value beyond its range clamped to its largest
     finite value (infinities and NaNs kept): the cast of a fill or constant that autocast
-    narrows (``jnp.where(mask, logits, jnp.finfo(jnp.float32).min)``, where the fill reaches
-    the ``where`` through a call). Its derivative is the clamp's."""
+    narrows (`jnp.where(mask, logits, jnp.finfo(jnp.float32).min)`, where the fill reaches
+    the `where` through a call). Its derivative is the clamp's."""
     dtype = np.dtype(dtype)
     src = dtype_of(x)
     if is_concrete(x) or src == dtype or not narrower(dtype, src):

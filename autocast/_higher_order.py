@@ -1,7 +1,7 @@
 """Transforming the bodies of primitives that hold jaxprs.
 
-Each handler registers into the table of :mod:`autocast._registry` at import (like JAX's
-``ad.primitive_jvps[p] = rule`` lines); the planner reads the table.
+Each handler registers into the table of `autocast._registry` at import (like JAX's
+`ad.primitive_jvps[p] = rule` lines); the planner reads the table.
 
 One generic path covers every primitive without a handler of its own: its operands go
 back to their traced dtypes and each jaxpr parameter is transformed with the same policy
@@ -10,19 +10,19 @@ annotations, ...) stay valid without surgery. The primitives that are everywhere
 models get a handler that lets half-precision values cross the boundary, because a round
 trip through float32 at each boundary would cost memory and converts:
 
-- ``jit`` / ``closed_call`` / ``checkpoint``: the body is specialised to the dtypes its
+- `jit` / `closed_call` / `checkpoint`: the body is specialised to the dtypes its
   operands arrive in; outputs keep whatever dtype the body computes. Operands the body
   consumes only in float32 (through data movement, additions) are cast once, outside;
   those it reads only through slices or gathers that read each element once are handed
-  over as they arrive (``_plan.SELECTED``: the selection converts them itself).
-- ``custom_jvp_call`` / ``custom_vjp_call``: :mod:`autocast._custom_derivatives`.
-- ``scan`` / ``while``: constants and scanned-over inputs are specialised; loop carries keep
+  over as they arrive (`_plan.SELECTED`: the selection converts them itself).
+- `custom_jvp_call` / `custom_vjp_call`: `autocast._custom_derivatives`.
+- `scan` / `while`: constants and scanned-over inputs are specialised; loop carries keep
   the dtype their initial value arrives in, except a float32 one made from parameters or
   inputs that the body turns half (it starts half, as in the unrolled loop; see
-  ``_narrowed_carries``); stacked outputs are specialised.
-- ``cond``: operands are specialised; an output whose dtype differs between branches is
+  `_narrowed_carries`); stacked outputs are specialised.
+- `cond`: operands are specialised; an output whose dtype differs between branches is
   cast back to its traced dtype.
-- ``shard_map``: the body is re-staged through ``jax.shard_map`` so collectives see their
+- `shard_map`: the body is re-staged through `jax.shard_map` so collectives see their
   mesh axes.
 """
 
@@ -48,7 +48,7 @@ def boundary_dtypes(jaxpr_like: Any) -> tuple[list[Any], list[Any]]:
 
 
 def cast_castable(x: Any, dtype: Any) -> Any:
-    """``x`` cast to ``dtype`` when both are float16/bfloat16/float32; else ``x``."""
+    """`x` cast to `dtype` when both are float16/bfloat16/float32; else `x`."""
     if _dtypes.is_castable(dtype) and _dtypes.is_castable(_dtypes.dtype_of(x)):
         return _dtypes.cast(x, dtype)
     return x
@@ -104,10 +104,10 @@ def _body_pulls(param: str):
 
 
 def _float32_only_call(param: str):
-    """The island test of a call-like primitive (see :data:`autocast._registry.FLOAT32_CALLS`):
-    a ``jit`` whose body computes in float32 and holds no half-precision work (no matmul,
+    """The island test of a call-like primitive (see `autocast._registry.FLOAT32_CALLS`):
+    a `jit` whose body computes in float32 and holds no half-precision work (no matmul,
     convolution or other compute-rule equation, no effect, at any depth), such as
-    ``jnp.var``'s ``_var`` or ``logsumexp``'s ``jit``, is part of the float32 island around
+    `jnp.var`'s `_var` or `logsumexp`'s `jit`, is part of the float32 island around
     it. A layer norm's statistics are then computed inside the island that normalises with
     them: the island's checkpoint keeps only the half-precision input, and XLA fuses the
     statistics and the normalisation (one kernel forward) instead of storing the
@@ -128,7 +128,7 @@ def _float32_only_call(param: str):
 
 def _float32_only(ctx: Context, jaxpr_like: Any, scopes: tuple) -> bool:
     """Whether a body holds no compute-rule equation, no effect and no primitive other than
-    first-order ones and nested ``jit``s / ``closed_call``s of the same kind."""
+    first-order ones and nested `jit`s / `closed_call`s of the same kind."""
     open_, _ = _compat.open_and_consts(jaxpr_like)
     for eqn in open_.eqns:
         if eqn.effects:
@@ -169,7 +169,7 @@ def body_computes_in_float32(ctx: Context, jaxpr_like: Any, scopes: tuple, out32
 
 
 def checkpoint_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool]) -> list[bool | str]:
-    """The pull rule of a checkpoint (``checkpoint`` or ``RematTraced``)."""
+    """The pull rule of a checkpoint (`checkpoint` or `RematTraced`)."""
     parts = _constructs.remat_parts(eqn)
     if parts is None:
         return [False] * len(eqn.invars)
@@ -177,8 +177,8 @@ def checkpoint_pulls(ctx: Context, eqn: Any, scopes: tuple, out32: Sequence[bool
 
 
 def checkpoint(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
-    """A checkpoint (``checkpoint`` or ``RematTraced``): its body specialised to the arriving
-    dtypes, rebuilt with the same policy and ``prevent_cse``."""
+    """A checkpoint (`checkpoint` or `RematTraced`): its body specialised to the arriving
+    dtypes, rebuilt with the same policy and `prevent_cse`."""
     parts = _constructs.remat_parts(eqn)
     if parts is None:
         return hi_original(ctx, eqn, invals, in_free, scopes)
@@ -201,7 +201,7 @@ register_higher_order(_compat.remat_p, pulls=checkpoint_pulls, body="jaxpr")(che
 
 
 def hi_original(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool] = ()):
-    """An equation whose bodies autocast does not transform: ``call_hi_primitive`` of an
+    """An equation whose bodies autocast does not transform: `call_hi_primitive` of an
     opaque construct (its operands back in their traced dtypes, bound as is; refs are
     never cast), else the generic path."""
     if _compat.hi_prim(eqn) is None:
@@ -236,9 +236,9 @@ def _narrowed_carries(
 ) -> list[int]:
     """Float32 initial carries made from parameters or inputs (free, not from literals
     alone) that the body, as in its first unrolled iteration, turns into the compute dtype:
-    an embedding entering a ``scan`` over layers adds half-precision block outputs to
+    an embedding entering a `scan` over layers adds half-precision block outputs to
     itself. They start in the compute dtype, as the unrolled loop would have them. Carries
-    initialised from constants (``jnp.zeros``: a running sum, an LSTM cell state) are
+    initialised from constants (`jnp.zeros`: a running sum, an LSTM cell state) are
     accumulators and keep float32."""
     carries = range(n_consts, n_consts + n_carry)
     cands = [i for i in carries if in_dtypes[i] == _dtypes.FLOAT32 and in_free[i] and in_free[i] != LITERAL]

@@ -1,21 +1,21 @@
-"""``call_hi_primitive``: the hijax encodings of checkpoint, custom_jvp, custom_vjp and scan.
+"""`call_hi_primitive`: the hijax encodings of checkpoint, custom_jvp, custom_vjp and scan.
 
-From JAX 0.12 (behind ``jax_remat3``, ``jax_custom_jvp3``, ``jax_custom_vjp3`` and
-``jax_scan3``; ``jax_custom_vjp3`` also in 0.9.2) each of these constructs is one
-``call_hi_primitive`` equation whose ``_prim`` parameter holds the body and the rules. One
+From JAX 0.12 (behind `jax_remat3`, `jax_custom_jvp3`, `jax_custom_vjp3` and
+`jax_scan3`; `jax_custom_vjp3` also in 0.9.2) each of these constructs is one
+`call_hi_primitive` equation whose `_prim` parameter holds the body and the rules. One
 handler dispatches on what it holds, to the same logic the old encodings get
-(:mod:`autocast._higher_order`), so each behaves under amp as its non-hijax twin:
+(`autocast._higher_order`), so each behaves under amp as its non-hijax twin:
 
-- ``RematTraced``: the body specialised to the arriving dtypes, rebuilt with the same policy
-  and ``prevent_cse``; ``checkpoint_name`` (``CheckpointName``) keeps its value's dtype.
-- ``CustomJVPTraced`` / ``CustomVJPTraced``: rebuilt through ``jax.custom_jvp`` /
-  ``jax.custom_vjp`` with the rules called as values arrive.
-- ``Scan3``: the body specialised to the arriving dtypes (loop carries are mutable refs: they
+- `RematTraced`: the body specialised to the arriving dtypes, rebuilt with the same policy
+  and `prevent_cse`; `checkpoint_name` (`CheckpointName`) keeps its value's dtype.
+- `CustomJVPTraced` / `CustomVJPTraced`: rebuilt through `jax.custom_jvp` /
+  `jax.custom_vjp` with the rules called as values arrive.
+- `Scan3`: the body specialised to the arriving dtypes (loop carries are mutable refs: they
   keep the dtype they were made with); the scan is rebuilt around it.
-- anything else (``SearchSorted``, ...): operands in their traced dtypes, bound as is.
+- anything else (`SearchSorted`, ...): operands in their traced dtypes, bound as is.
 
-The planner sees through ``RematTraced`` and ``CustomJVPTraced`` bodies as through
-``checkpoint`` and ``custom_jvp_call`` ones (``_constructs.narrow_body``)."""
+The planner sees through `RematTraced` and `CustomJVPTraced` bodies as through
+`checkpoint` and `custom_jvp_call` ones (`_constructs.narrow_body`)."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def _checkpoint_name(ctx: Context, eqn: Any, invals: list, in_free: list, scopes
 
 
 def _scan3(ctx: Context, eqn: Any, invals: list, in_free: list, scopes: tuple, out32: Sequence[bool]):
-    """``Scan3``: the body specialised to the arriving dtypes; its outputs (the stacked
-    ``ys``) keep the dtypes the body computes."""
+    """`Scan3`: the body specialised to the arriving dtypes; its outputs (the stacked
+    `ys`) keep the dtypes the body computes."""
     parts = _constructs.scan3_parts(eqn)
     if parts is None:
         return hi_original(ctx, eqn, invals, in_free, scopes)

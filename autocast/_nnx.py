@@ -1,16 +1,16 @@
-"""Flax NNX objects under ``amp``: their state updates reach the caller's objects.
+"""Flax NNX objects under `amp`: their state updates reach the caller's objects.
 
-An NNX module updates its own state as it runs (``BatchNorm``'s running statistics,
-``Dropout``'s and every ``nnx.Rngs``' counters). ``amp`` traces ``fn`` on copies of its
+An NNX module updates its own state as it runs (`BatchNorm`'s running statistics,
+`Dropout`'s and every `nnx.Rngs`' counters). `amp` traces `fn` on copies of its
 arguments, so those updates happened on the copies and were lost: running statistics never
 moved, and every step drew the same dropout mask. As NNX's own transforms do, a call whose
-arguments (or ``fn`` itself) hold NNX graph nodes is split into a graph definition and a
-state (``nnx.split``), the state goes through ``amp`` as data, and the function's updated
-``nnx.Variable`` state comes back as an extra output and is written into the caller's
-objects (``nnx.update``), in the dtypes the variables had (float32 statistics stay float32).
+arguments (or `fn` itself) hold NNX graph nodes is split into a graph definition and a
+state (`nnx.split`), the state goes through `amp` as data, and the function's updated
+`nnx.Variable` state comes back as an extra output and is written into the caller's
+objects (`nnx.update`), in the dtypes the variables had (float32 statistics stay float32).
 
 Flax stays optional: nothing here imports it; a call can only hold NNX objects once the
-program has imported ``flax.nnx``.
+program has imported `flax.nnx`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def _nnx() -> Any:
 
 
 def holds_graph_nodes(fn: Callable, args: tuple, kwargs: dict) -> bool:
-    """Whether ``fn`` or an argument (at any depth of its pytree) is an NNX object that can
-    update its own state: a graph node other than a single ``nnx.Variable`` (an ``nnx.State``
+    """Whether `fn` or an argument (at any depth of its pytree) is an NNX object that can
+    update its own state: a graph node other than a single `nnx.Variable` (an `nnx.State`
     of variables, the functional split/merge style, is data: its updates are returned)."""
     nnx = _nnx()
     if nnx is None:
@@ -39,7 +39,7 @@ def holds_graph_nodes(fn: Callable, args: tuple, kwargs: dict) -> bool:
 
 
 def pure(fn: Callable) -> Callable:
-    """``fn`` as a function of ``(graphdef, state)`` returning ``(out, updated variables)``."""
+    """`fn` as a function of `(graphdef, state)` returning `(out, updated variables)`."""
 
     def split_call(graphdef: Any, state: Any) -> tuple[Any, Any]:
         nnx = _nnx()
@@ -51,7 +51,7 @@ def pure(fn: Callable) -> Callable:
 
 
 def call(fn: Callable, core: Callable, args: tuple, kwargs: dict) -> Any:
-    """``fn(*args, **kwargs)`` through ``core`` (``amp`` of :func:`pure` ``(fn)``), the
+    """`fn(*args, **kwargs)` through `core` (`amp` of `pure` `(fn)`), the
     updated variables written back into the caller's objects."""
     nnx = _nnx()
     tree = (fn if nnx.graph.is_graph_node(fn) else None, args, kwargs)

@@ -1,25 +1,30 @@
 """The table of higher-order rules: how the interpreter treats primitives that hold jaxprs.
 
-Like JAX's own rule tables (``ad.primitive_jvps``, ``batching.primitive_batchers``), this
-module only holds the tables; :mod:`autocast._higher_order` fills them at import with
-``register_higher_order(prim)(handler)`` lines, and :mod:`autocast._plan` reads them. So
+Like JAX's own rule tables (`ad.primitive_jvps`, `batching.primitive_batchers`), this
+module only holds the tables; `autocast._higher_order`, `autocast._custom_derivatives` and
+`autocast._hijax` fill them at import with `register_higher_order(prim)(handler)` lines,
+and the planner (`autocast._plan`) reads them. So
 the interpreter, the planner and the handlers do not import each other in a circle.
 
-A *handler* evaluates one equation::
+A *handler* evaluates one equation:
 
-    handler(ctx, eqn, invals, in_free, scopes, out_float32) -> (outs, out_free)
+```
+handler(ctx, eqn, invals, in_free, scopes, out_float32) -> (outs, out_free)
+```
 
-``invals`` are the operands as they arrive (some in half precision), ``in_free`` their
-free flags, ``out_float32[i]`` says that every consumer of output ``i`` reads it in float32.
+`invals` are the operands as they arrive (some in half precision), `in_free` their
+free flags, `out_float32[i]` says that every consumer of output `i` reads it in float32.
 
 A *pull rule* tells the planner which operands the equation's bodies consume only in
-float32 (and can be handed a float32 value without storing more for the backward pass)::
+float32 (and can be handed a float32 value without storing more for the backward pass):
 
-    pulls(ctx, eqn, scopes, out_float32) -> list[bool | str]   # one flag per operand
+```
+pulls(ctx, eqn, scopes, out_float32) -> list[bool | str]   # one flag per operand
+```
 
 The planner treats passing a value into such an operand as a float32 consumer, and the
 interpreter casts that value once, outside, so every float32 consumer reads the same
-float32 value; except for the flag ``_plan.SELECTED`` (the bodies read the operand in
+float32 value; except for the flag `_plan.SELECTED` (the bodies read the operand in
 float32 only through slices or gathers that convert it themselves): a float32 consumer
 for the planner, handed over as it arrives.
 """
@@ -43,12 +48,12 @@ PULL_RULES: dict[Any, PullRule] = {}
 NARROW_BODIES: dict[Any, str | Callable[[Any], Any]] = {}
 """Primitive -> the parameter holding a body whose invars are the operands, one to one,
 and whose handler lets half-precision operands in (the planner looks through it to see
-whether an operand reaches only half-precision consumers: ``relu``'s ``custom_jvp``); or a
-function of the equation returning that body or None (``call_hi_primitive``: it depends on
-the construct the equation holds). See :func:`narrow_body`."""
+whether an operand reaches only half-precision consumers: `relu`'s `custom_jvp`); or a
+function of the equation returning that body or None (`call_hi_primitive`: it depends on
+the construct the equation holds). See `narrow_body`."""
 
 FLOAT32_CALLS: dict[Any, Callable[..., bool]] = {}
-"""Primitive -> ``test(ctx, eqn, scopes, out_float32)``: whether the equation computes in
+"""Primitive -> `test(ctx, eqn, scopes, out_float32)`: whether the equation computes in
 float32 as a whole (a custom JVP whose rule does, softplus's). The planner makes such an
 equation part of a float32 island, recomputed in the backward pass like any other."""
 
@@ -62,8 +67,17 @@ def register_higher_order(
     body: str | Callable[[Any], Any] | None = None,
     float32_call: Callable[..., bool] | None = None,
 ) -> Callable[[Handler], Handler]:
-    """Register ``handler`` for ``prim`` (a no-op when this JAX has no such primitive);
-    ``body``: see :data:`NARROW_BODIES`; ``float32_call``: see :data:`FLOAT32_CALLS`."""
+    """A decorator registering its `handler` for `prim`.
+
+    Args:
+        prim: The primitive; None (this JAX has no such primitive) makes it a no-op.
+        pulls: The primitive's pull rule (see the module docstring), if it has one.
+        body: See `NARROW_BODIES`.
+        float32_call: See `FLOAT32_CALLS`.
+
+    Returns:
+        A decorator that registers `handler` and returns it unchanged.
+    """
 
     def register(handler: Handler) -> Handler:
         if prim is not None:
@@ -95,7 +109,7 @@ def jaxpr_params(params: dict[str, Any]) -> list[str]:
 
 
 def narrow_body(eqn: Any) -> Any | None:
-    """The body :data:`NARROW_BODIES` names for ``eqn``, or None."""
+    """The body `NARROW_BODIES` names for `eqn`, or None."""
     body = NARROW_BODIES.get(eqn.primitive)
     if body is None:
         return None
@@ -103,7 +117,7 @@ def narrow_body(eqn: Any) -> Any | None:
 
 
 def computes_in_float32(ctx: Any, eqn: Any, scopes: tuple, out_float32: Any) -> bool:
-    """See :data:`FLOAT32_CALLS` (False for a primitive without such a test)."""
+    """See `FLOAT32_CALLS` (False for a primitive without such a test)."""
     test = FLOAT32_CALLS.get(eqn.primitive)
     return test is not None and bool(test(ctx, eqn, scopes, out_float32))
 

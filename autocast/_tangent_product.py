@@ -1,21 +1,21 @@
-"""``tangent_product_p``: a bilinear product whose transpose yields a float32 cotangent.
+"""`tangent_product_p`: a bilinear product whose transpose yields a float32 cotangent.
 
-``tangent_product(inner, params, a, t, index, half, out_dtype)`` binds ``inner``
-(``dot_general`` or ``conv_general_dilated``) on ``a`` (a half-precision primal) and the
-tangent ``t`` of an operand that was narrowed from float32, rounded to the half dtype:
-``inner(a, t.astype(half))``, result in ``out_dtype``. It is ``inner`` in every respect (shape,
-sharding and varying-axes rules, lowering) except its transpose with respect to ``t``: JAX's
-own transpose of ``inner`` called with ``preferred_element_type`` set to ``t``'s dtype
+`tangent_product(inner, params, a, t, index, half, out_dtype)` binds `inner`
+(`dot_general` or `conv_general_dilated`) on `a` (a half-precision primal) and the
+tangent `t` of an operand that was narrowed from float32, rounded to the half dtype:
+`inner(a, t.astype(half))`, result in `out_dtype`. It is `inner` in every respect (shape,
+sharding and varying-axes rules, lowering) except its transpose with respect to `t`: JAX's
+own transpose of `inner` called with `preferred_element_type` set to `t`'s dtype
 (float32), so the cotangent is accumulated into a float32 result straight from
-half-precision operands (the dot ``ct16^T . a16`` with a float32 output) instead of being
+half-precision operands (the dot `ct16^T . a16` with a float32 output) instead of being
 rounded to half and converted. Every reduction after it (a partitioner's all-reduce,
-``psum``, a scan's accumulation) then runs in float32. :mod:`autocast._wide` builds the JVP of
+`psum`, a scan's accumulation) then runs in float32. `autocast._wide` builds the JVP of
 a matmul with a narrowed parameter from it.
 
-The primitive's rules go into JAX's tables through :mod:`autocast._compat` (JAX 0.9.2 ..
-0.12: ``ad.primitive_jvps`` / ``primitive_transposes`` (0.12 also keeps ``fancy_transposes``,
+The primitive's rules go into JAX's tables through `autocast._compat` (JAX 0.9.2 ..
+0.12: `ad.primitive_jvps` / `primitive_transposes` (0.12 also keeps `fancy_transposes`,
 consulted first, for primitives that register there; this one does not),
-``batching.primitive_batchers``, ``mlir.register_lowering`` and ``lower_fun``).
+`batching.primitive_batchers`, `mlir.register_lowering` and `lower_fun`).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ tangent_product_p = _compat.Primitive("tangent_product")
 def tangent_product(
     inner: _compat.Primitive, params: dict[str, Any], a: Any, t: Any, index: int, half: Any, out_dtype: Any
 ):
-    """``inner`` on ``a`` and ``t.astype(half)`` (``t`` at operand position ``index``), the
-    result in ``out_dtype``; its transpose in ``t`` is a float32 (``t``'s dtype) result."""
+    """`inner` on `a` and `t.astype(half)` (`t` at operand position `index`), the
+    result in `out_dtype`; its transpose in `t` is a float32 (`t`'s dtype) result."""
     return tangent_product_p.bind(
         a, t, inner=inner, inner_params=_Params(params), index=index, half=np.dtype(half), out_dtype=np.dtype(out_dtype)
     )
@@ -115,9 +115,9 @@ def _tp_transpose(ct, a, t, *, inner, inner_params, index, half, out_dtype):
 
 
 def _tp_batch(args, dims, *, inner, inner_params, index, half, out_dtype):
-    """``dot_general``: the batch axes folded into the dimension numbers (as JAX's own rule
-    does), so a batched product is still a ``tangent_product``. Other primitives (or a
-    ``dot_general`` with an explicit ``out_sharding``): the inner primitive's own batching
+    """`dot_general`: the batch axes folded into the dimension numbers (as JAX's own rule
+    does), so a batched product is still a `tangent_product`. Other primitives (or a
+    `dot_general` with an explicit `out_sharding`): the inner primitive's own batching
     rule on the half-precision tangent (the float32 cotangent is not kept there)."""
     a, t = args
     params = inner_params.as_dict()

@@ -1,4 +1,4 @@
-"""Reading jaxprs for ``explain`` and ``find_overflow``: nested bodies, source lines, costs."""
+"""Reading jaxprs for `explain` and `find_overflow`: nested bodies, source lines, costs."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ _KINDS = {"custom_jvp_call": "custom_jvp", "custom_vjp_call": "custom_vjp", "cus
 
 
 def bodies(eqn: Any) -> list[Any]:
-    """The jaxprs of a higher-order equation (``jit``, ``scan``, ``cond``, ..., and the
-    ``call_hi_primitive`` encodings of checkpoint, custom_jvp/vjp and scan), or []."""
+    """The jaxprs of a higher-order equation (`jit`, `scan`, `cond`, ..., and the
+    `call_hi_primitive` encodings of checkpoint, custom_jvp/vjp and scan), or []."""
     if _compat.hi_prim(eqn) is not None:
         return _compat.hi_bodies(eqn)
     if eqn.primitive.name.startswith(_NOT_BODIES):
@@ -45,9 +45,9 @@ def bodies(eqn: Any) -> list[Any]:
 
 
 def kind(eqn: Any) -> str:
-    """What an equation is, the same in both encodings: ``checkpoint``, ``custom_jvp``,
-    ``custom_vjp``, ``scan``, ``jit``, a ``HiPrim``'s class name for other
-    ``call_hi_primitive`` equations, else the primitive's name."""
+    """What an equation is, the same in both encodings: `checkpoint`, `custom_jvp`,
+    `custom_vjp`, `scan`, `jit`, a `HiPrim`'s class name for other
+    `call_hi_primitive` equations, else the primitive's name."""
     hi = _compat.hi_name(eqn)
     if hi is not None:
         return _HI_KINDS.get(hi, hi)
@@ -60,8 +60,8 @@ def kind(eqn: Any) -> str:
 
 
 def label(eqn: Any) -> str:
-    """How a higher-order equation shows in a nesting path: ``jit(gelu)``, ``scan(8)``,
-    ``checkpoint``, ``custom_jvp(relu)``, ... (the same in both encodings)."""
+    """How a higher-order equation shows in a nesting path: `jit(gelu)`, `scan(8)`,
+    `checkpoint`, `custom_jvp(relu)`, ... (the same in both encodings)."""
     k = kind(eqn)
     if k == "jit":
         return f"jit({eqn.params.get('name', '?')})"
@@ -74,13 +74,13 @@ def label(eqn: Any) -> str:
 
 
 def multiplier(eqn: Any) -> int:
-    """How many times a body runs per evaluation of ``eqn`` (a scan's length; else 1)."""
+    """How many times a body runs per evaluation of `eqn` (a scan's length; else 1)."""
     return int(param(eqn, "length", 1)) if kind(eqn) == "scan" else 1
 
 
 def param(eqn: Any, key: str, default: Any = None) -> Any:
-    """A parameter of ``eqn`` in either encoding (a ``call_hi_primitive``'s ``HiPrim``
-    holds them: a checkpoint's ``policy``, a scan's ``length``, ...)."""
+    """A parameter of `eqn` in either encoding (a `call_hi_primitive`'s `HiPrim`
+    holds them: a checkpoint's `policy`, a scan's `length`, ...)."""
     if _compat.hi_prim(eqn) is not None:
         return _compat.hi_param(eqn, key, default)
     return eqn.params.get(key, default)
@@ -89,9 +89,9 @@ def param(eqn: Any, key: str, default: Any = None) -> Any:
 def walk(
     jaxpr: Any, scopes: tuple[str, ...] = (), path: tuple[str, ...] = (), mult: int = 1
 ) -> Iterator[tuple[Any, tuple[str, ...], tuple[str, ...], int]]:
-    """Every first-order equation of ``jaxpr`` at any depth, with its named scopes, its
-    nesting path and how many times it runs (scan bodies: times the length; ``while``
-    bodies and each ``cond`` branch: once)."""
+    """Every first-order equation of `jaxpr` at any depth, with its named scopes, its
+    nesting path and how many times it runs (scan bodies: times the length; `while`
+    bodies and each `cond` branch: once)."""
     open_, _ = _compat.open_and_consts(jaxpr)
     for eqn in open_.eqns:
         here = scopes + _compat.scope_names(eqn.source_info.name_stack)
@@ -104,8 +104,8 @@ def walk(
 
 
 def source(source_info: Any) -> str:
-    """``"path/to/file.py:LINE"`` of the innermost user frame (relative to the working
-    directory when inside it), or ``"?"``."""
+    """`"path/to/file.py:LINE"` of the innermost user frame (relative to the working
+    directory when inside it), or `"?"`."""
     frame = _compat.user_frame(source_info)
     if frame is None:
         return "?"
@@ -127,7 +127,7 @@ def nbytes(aval: Any) -> int:
 
 
 def flops(eqn: Any) -> int:
-    """Multiply-add FLOPs (2 per MAC) of a ``dot_general`` or ``conv_general_dilated``."""
+    """Multiply-add FLOPs (2 per MAC) of a `dot_general` or `conv_general_dilated`."""
     out = eqn.outvars[0].aval
     n_out = int(np.prod(out.shape, dtype=np.int64))
     if eqn.primitive.name == "dot_general":

@@ -1,35 +1,35 @@
 """Matmuls with a float32 result or float32 operand cotangents, and a half-precision
 backward pass.
 
-Two things a plain half-precision matmul ``dot(a16, w16)`` gets wrong:
+Two things a plain half-precision matmul `dot(a16, w16)` gets wrong:
 
 - **Its result, when only float32 consumers read it.** It is stored in half precision and
-  converted back: rounded for nothing. With ``wide=True`` :func:`bind` binds the primitive
-  with ``preferred_element_type=float32`` instead: the same half-precision operands and
+  converted back: rounded for nothing. With `wide=True` `bind` binds the primitive
+  with `preferred_element_type=float32` instead: the same half-precision operands and
   float32 accumulation, no rounding of the result (and no half-precision output pass on
   backends without half-precision GEMMs, such as XLA-CPU).
 - **The cotangent of a parameter narrowed from float32** (a free operand: see
-  :mod:`autocast._interpreter`; a computed weight, such as a LoRA sum, is not one). JAX
-  transposes ``dot(a16, w16)`` into ``dW = a16^T . dy16`` with a half-precision result, and
+  `autocast._interpreter`; a computed weight, such as a LoRA sum, is not one). JAX
+  transposes `dot(a16, w16)` into `dW = a16^T . dy16` with a half-precision result, and
   only then converts it to float32: per-device partial sums are rounded to half before a
-  partitioner's all-reduce or reduce-scatter, a ``psum``, or a scan's accumulation over
-  steps. For each operand ``i`` in ``float32_cotangent`` (its float32 value is passed in
-  ``arrived``), :func:`bind` makes the tangent path from that float32 value a
-  ``tangent_product`` (:mod:`autocast._compat`), whose transpose is the same
+  partitioner's all-reduce or reduce-scatter, a `psum`, or a scan's accumulation over
+  steps. For each operand `i` in `float32_cotangent` (its float32 value is passed in
+  `arrived`), `bind` makes the tangent path from that float32 value a
+  `tangent_product` (`autocast._compat`), whose transpose is the same
   half-precision dot with a float32 result: the weight gradient leaves the matmul in
   float32 (same operands and FLOPs; a weight-sized float32 output). The activation
   gradient stays half.
 
-Only ``dot_general``: a convolution keeps its half-precision result, forward and backward,
+Only `dot_general`: a convolution keeps its half-precision result, forward and backward,
 and its weight cotangent is converted to float32 after the convolution (as in PyTorch's
 autocast). GPUs have no half-operand convolution with a float32 output (cuDNN computes
 in float32 and stores half); XLA:GPU would run a float32-result convolution on float32
 operands, twice the bytes of the half ones and no tensor cores. Same program, same
 numerics, on every platform.
 
-The forward stays a plain ``dot_general`` (checkpoint policies
-such as ``dots_saveable`` and the interpreter's island checkpoints see it by name). The
-derivative is a ``custom_jvp`` rule: the tangent of a half operand is the half-precision
+The forward stays a plain `dot_general` (checkpoint policies
+such as `dots_saveable` and the interpreter's island checkpoints see it by name). The
+derivative is a `custom_jvp` rule: the tangent of a half operand is the half-precision
 matmul of the tangent (converted to float32 for a float32 result, so a float32 cotangent
 is rounded to half once and both transposed matmuls run in half precision, rather than
 JAX's float32 x half transpose of a float32-result matmul).
@@ -49,13 +49,13 @@ from . import _compat, _cpu_matmul, _dtypes, _tangent_product
 
 BILINEAR = frozenset({"dot_general"})
 """Primitives that get a float32 result or float32 cotangent from half operands; bilinear in
-their two operands (``ad.defbilinear`` in JAX): the tangent is the sum of the primitive
-applied to one operand's tangent and the other's primal. Not ``conv_general_dilated``
+their two operands (`ad.defbilinear` in JAX): the tangent is the sum of the primitive
+applied to one operand's tangent and the other's primal. Not `conv_general_dilated`
 (see the module docstring)."""
 
 
 def applies(prim: Any, ops: Sequence[Any], params: dict[str, Any]) -> bool:
-    """Whether :func:`bind` can stand in for binding ``prim`` on ``ops``: a bilinear
+    """Whether `bind` can stand in for binding `prim` on `ops`: a bilinear
     primitive with two operands of one half dtype, storing its result in that dtype."""
     if prim.name not in BILINEAR or len(ops) != 2:
         return False
@@ -70,7 +70,7 @@ def applies(prim: Any, ops: Sequence[Any], params: dict[str, Any]) -> bool:
 def narrowed(arrived: Sequence[Any], ops: Sequence[Any], free: Sequence[Any]) -> list[int]:
     """The free operands (parameters, or values only reshaped, sliced or summed from them:
     not activations) that arrived in float32 and were narrowed to half precision, as traced
-    values (they may have a gradient): those whose cotangent :func:`bind` keeps in float32.
+    values (they may have a gradient): those whose cotangent `bind` keeps in float32.
     An activation's gradient stays half."""
     return [
         i
@@ -92,10 +92,10 @@ def bind(
     arrived: Sequence[Any] | None = None,
     float32_cotangent: Sequence[int] = (),
 ) -> list[Any]:
-    """Bind ``prim`` on half-precision ``ops`` (see the module docstring): with a float32
-    result if ``wide``; with a float32 cotangent for each operand ``i`` in
-    ``float32_cotangent``, whose float32 value (``ops[i]`` is its cast) is ``arrived[i]``.
-    Requires :func:`applies`."""
+    """Bind `prim` on half-precision `ops` (see the module docstring): with a float32
+    result if `wide`; with a float32 cotangent for each operand `i` in
+    `float32_cotangent`, whose float32 value (`ops[i]` is its cast) is `arrived[i]`.
+    Requires `applies`."""
     half = _dtypes.dtype_of(ops[0])
     out_dtype = _dtypes.FLOAT32 if wide else half
     half_params = dict(params, preferred_element_type=half)
