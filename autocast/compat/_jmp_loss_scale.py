@@ -1,4 +1,4 @@
-"""jmp's loss scales as Equinox modules (see :mod:`autocast.compat.jmp`).
+"""jmp's loss scales as Equinox modules (see `autocast.compat.jmp`).
 
 The pytree structure comes from the fields (array leaves: the scale and the counter;
 everything else static), so nothing is lost when a state is flattened and rebuilt.
@@ -32,7 +32,7 @@ def _flag(pred: Any, where: str) -> jax.Array:
 
 
 def _rescale(tree: T, scale: Any, *, divide: bool) -> T:
-    """Multiply (or divide) every floating leaf by ``scale`` in float32 or wider.
+    """Multiply (or divide) every floating leaf by `scale` in float32 or wider.
 
     Scaling returns float32 (a float16 loss times 2**15 does not overflow); unscaling
     casts each leaf back to its own dtype. Integer and non-array leaves are left alone.
@@ -69,9 +69,13 @@ def _warn_if_not_floating(x: Any, name: str) -> None:
 
 
 class NoOpLossScale(eqx.Module):
-    """No loss scaling: ``scale`` and ``unscale`` return their input, ``loss_scale`` is 1.
+    """No loss scaling: `scale` and `unscale` return their input, `loss_scale` is 1.
 
-    Example: ``loss_scale = NoOpLossScale()`` for bfloat16 or float32 training.
+    Example:
+        ```python
+        loss_scale = jmp.NoOpLossScale()  # for bfloat16 or float32 training
+        assert loss_scale.scale(params) is params and loss_scale.loss_scale == 1
+        ```
     """
 
     @property
@@ -85,7 +89,7 @@ class NoOpLossScale(eqx.Module):
         return tree
 
     def adjust(self, grads_finite: Any) -> NoOpLossScale:
-        """``self``: the (absent) scale never changes."""
+        """`self`: the (absent) scale never changes."""
         del grads_finite
         return self
 
@@ -93,14 +97,22 @@ class NoOpLossScale(eqx.Module):
 class StaticLossScale(eqx.Module):
     """A fixed loss scale (static configuration: the module has no array leaves).
 
-    **Arguments:**
-
-    - ``loss_scale``: a concrete non-negative number, e.g. ``2.0**15``.
-
-    ``scale`` multiplies the floating leaves in float32; ``unscale`` divides in float32
+    `scale` multiplies the floating leaves in float32; `unscale` divides in float32
     and casts each leaf back to its dtype.
 
-    Example: ``grads = StaticLossScale(2.0**15).unscale(grads)``.
+    Args:
+        loss_scale: A concrete non-negative number, e.g. `2.0**15`.
+
+    Raises:
+        TypeError: `loss_scale` is not a concrete number.
+        ValueError: `loss_scale` is negative, not finite or not a scalar.
+
+    Example:
+        ```python
+        loss_scale = jmp.StaticLossScale(2.0**15)
+        grads = loss_scale.unscale(jax.grad(lambda p: loss_scale.scale(loss(p)))(params))
+        assert loss_scale.adjust(jmp.all_finite(grads)) is loss_scale
+        ```
     """
 
     loss_scale: float = eqx.field(static=True)
@@ -115,7 +127,7 @@ class StaticLossScale(eqx.Module):
         return _rescale(tree, self.loss_scale, divide=True)
 
     def adjust(self, grads_finite: Any) -> StaticLossScale:
-        """``self``: the scale never changes."""
+        """`self`: the scale never changes."""
         del grads_finite
         return self
 
@@ -123,22 +135,28 @@ class StaticLossScale(eqx.Module):
 class DynamicLossScale(eqx.Module):
     """jmp's dynamic loss scale as an Equinox module.
 
-    **Arguments:**
+    Args:
+        loss_scale: The initial scale; stored as a float32 array leaf whatever its dtype.
+        counter: Finite steps since the last change (int32 array leaf, default 0).
+        period: Grow the scale after this many consecutive finite steps (static, >= 1).
+        factor: Multiply the scale by it on growth, divide on a non-finite step
+            (static, >= 1).
+        min_loss_scale: The scale never drops below it (static, default 1).
 
-    - ``loss_scale``: the initial scale; stored as a float32 array leaf whatever its dtype.
-    - ``counter``: finite steps since the last change (int32 array leaf, default 0).
-    - ``period``: grow the scale after this many consecutive finite steps (static, >= 1).
-    - ``factor``: multiply the scale by it on growth, divide on a non-finite step
-      (static, >= 1).
-    - ``min_loss_scale``: the scale never drops below it (static, default 1).
+    Raises:
+        ValueError: `loss_scale` is not a scalar, `period` is not an integer >= 1,
+            `factor` is below 1, or `min_loss_scale` is negative (or not finite).
+        TypeError: `counter` is not an integer scalar, or `period`, `factor` or
+            `min_loss_scale` is not a concrete number.
 
-    ``adjust(grads_finite)``: on a finite step the counter grows and after ``period`` of
-    them the scale is multiplied by ``factor`` (unless that overflows); on a non-finite
-    step the scale is divided by ``factor`` (not below ``min_loss_scale``) and the counter
-    resets.
+    `adjust(grads_finite)`: on a finite step the counter grows and after `period` of
+    them the scale is multiplied by `factor` (unless that overflows); on a non-finite
+    step the scale is divided by `factor` (not below `min_loss_scale`) and the counter
+    resets. A `grads_finite` that is not a boolean scalar raises `AssertionError`, as
+    in jmp.
 
-    Example::
-
+    Example:
+        ```python
         import autocast.compat.jmp as jmp
 
         loss_scale = jmp.DynamicLossScale(jnp.float32(2**15))
@@ -147,6 +165,7 @@ class DynamicLossScale(eqx.Module):
         loss_scale = loss_scale.adjust(finite)
         new_params = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
         params = jmp.select_tree(finite, new_params, params)
+        ```
     """
 
     loss_scale: jax.Array
@@ -208,29 +227,44 @@ LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]  # noqa: UP0
 
 
 def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
-    """Whether every floating leaf of ``tree`` is free of inf and NaN (a scalar bool array).
+    """Whether every floating leaf of `tree` is free of inf and NaN (a scalar bool array).
 
-    **Arguments:**
+    Args:
+        tree: Any pytree; integer and non-array leaves are ignored.
+        axis_name: Under `pmap`/`shard_map`, agree across this mapped axis (an
+            addition to jmp's API).
 
-    - ``tree``: any pytree; integer and non-array leaves are ignored.
-    - ``axis_name``: under ``pmap``/``shard_map``, agree across this mapped axis (an
-      addition to jmp's API).
+    Returns:
+        A scalar boolean array; True for a tree without floating leaves.
 
-    Example: ``all_finite({"w": jnp.array([1.0, jnp.inf])})`` is ``Array(False)``.
+    Example:
+        ```python
+        assert not jmp.all_finite({"w": jnp.array([1.0, jnp.inf])})
+        ```
     """
     return _loss_scale.all_finite(tree, axis_name=axis_name)
 
 
 def select_tree(pred: Any, a: T, b: T) -> T:
-    """``a`` where ``pred`` else ``b``, leaf by leaf (bit-identical to the chosen input).
+    """`a` where `pred` else `b`, leaf by leaf (bit-identical to the chosen input).
 
-    **Arguments:**
+    Args:
+        pred: A scalar boolean, e.g. `all_finite(grads)`.
+        a: The pytree chosen where `pred` is True. Its non-array leaves (an Equinox
+            module's activation function) are taken in either case.
+        b: A pytree with the structure of `a`; matching array leaves have the same shape
+            and dtype.
 
-    - ``pred``: a scalar boolean, e.g. ``all_finite(grads)``.
-    - ``a``, ``b``: pytrees of the same structure. Non-array leaves (an Equinox module's
-      activation function) are taken from ``a``.
+    Raises:
+        AssertionError: `pred` is not a boolean scalar (as in jmp).
+        TypeError: Matching array leaves differ in shape or dtype.
 
-    Example: ``params = select_tree(finite, new_params, params)``.
+    Example:
+        ```python
+        new_params = jax.tree.map(lambda p: p - 0.1, params)
+        kept = jmp.select_tree(jnp.array(False), new_params, params)
+        assert (kept["w1"] == params["w1"]).all()
+        ```
     """
     flag = _flag(pred, "select_tree")
     return _loss_scale.select_tree(flag, a, b)

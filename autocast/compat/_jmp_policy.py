@@ -1,4 +1,4 @@
-"""jmp's precision policies and pytree casts (see :mod:`autocast.compat.jmp`)."""
+"""jmp's precision policies and pytree casts (see `autocast.compat.jmp`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ T = TypeVar("T")
 
 
 class _DtypeKeyed(dict):
-    """A dict keyed by numpy dtypes that also accepts ``jnp.float16``, ``np.float32``, ..."""
+    """A dict keyed by numpy dtypes that also accepts `jnp.float16`, `np.float32`, ..."""
 
     def __missing__(self, key: Any) -> Any:
         try:
@@ -45,21 +45,23 @@ dtype_to_names: dict[Any, tuple[str, ...]] = _DtypeKeyed(
         jnp.dtype(jnp.float64): ("f64", "float64"),
     }
 )
-"""Dtype -> its names in the policy grammar (the first is the one ``str(policy)`` uses)."""
+"""Dtype -> its names in the policy grammar (the first is the one `str(policy)` uses)."""
 
 name_to_dtype: dict[str, np.dtype] = {name: dtype for dtype, names in dtype_to_names.items() for name in names}
-"""Name in the policy grammar -> dtype (``"half"`` is resolved by :func:`half_dtype`)."""
+"""Name in the policy grammar -> dtype (`"half"` is resolved by `half_dtype`)."""
 
 
 def half_dtype() -> np.dtype:
     """The half-precision dtype for the default backend: bfloat16 on TPU, float16 elsewhere.
 
-    **Returns:** `jnp.bfloat16` or `jnp.float16`.
+    Returns:
+        `jnp.bfloat16` or `jnp.float16`.
 
-    Example::
-
+    Example:
+        ```python
         policy = jmp.get_policy("params=float32,compute=half,output=float32")
         assert policy.compute_dtype == jmp.half_dtype()
+        ```
     """
     on_tpu = jax.local_devices()[0].platform == "tpu"
     return jnp.dtype(jnp.bfloat16 if on_tpu else jnp.float16)
@@ -99,19 +101,27 @@ def _cast_floating_to(tree: T, dtype: Any) -> T:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Which dtype parameters, computation and outputs use (jmp's ``Policy``).
+    """Which dtype parameters, computation and outputs use (jmp's `Policy`).
 
-    **Arguments:**
+    The three dtypes are stored as NumPy dtypes, which compare equal to `jnp.float16`
+    and the like. The `cast_to_*` methods cast the float16/bfloat16/float32 array leaves
+    of a pytree; integers, booleans, PRNG keys, float8 and non-array leaves are left
+    alone, and so is float64 when `jax_enable_x64` is on.
 
-    - ``param_dtype``, ``compute_dtype``, ``output_dtype``: floating dtypes (stored as
-      NumPy dtypes, which compare equal to ``jnp.float16`` and the like).
+    Args:
+        param_dtype: The floating dtype of the parameters.
+        compute_dtype: The floating dtype of the computation.
+        output_dtype: The floating dtype of the outputs.
 
-    The ``cast_to_*`` methods cast the float16/bfloat16/float32 array leaves of a pytree;
-    integers, booleans, PRNG keys, float8 and non-array leaves are left alone, and so is
-    float64 when ``jax_enable_x64`` is on.
+    Raises:
+        TypeError: A dtype is not a floating dtype.
 
-    Example: ``policy = Policy(jnp.float32, jnp.bfloat16, jnp.float32)``, or
-    ``get_policy("p=f32,c=bf16,o=f32")``.
+    Example:
+        ```python
+        policy = jmp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+        assert policy == jmp.get_policy("p=f32,c=bf16,o=f32")
+        assert policy.cast_to_compute(params)["w1"].dtype == jnp.bfloat16
+        ```
     """
 
     param_dtype: Any
@@ -123,27 +133,27 @@ class Policy:
             object.__setattr__(self, field, _as_dtype(getattr(self, field), field))
 
     def cast_to_param(self, x: T) -> T:
-        """``x`` with its floating leaves in ``param_dtype``."""
+        """`x` with its floating leaves in `param_dtype`."""
         return _cast_floating_to(x, self.param_dtype)
 
     def cast_to_compute(self, x: T) -> T:
-        """``x`` with its floating leaves in ``compute_dtype``."""
+        """`x` with its floating leaves in `compute_dtype`."""
         return _cast_floating_to(x, self.compute_dtype)
 
     def cast_to_output(self, x: T) -> T:
-        """``x`` with its floating leaves in ``output_dtype``."""
+        """`x` with its floating leaves in `output_dtype`."""
         return _cast_floating_to(x, self.output_dtype)
 
     def with_param_dtype(self, param_dtype: Any) -> Policy:
-        """A copy with another ``param_dtype`` (an addition to jmp's API)."""
+        """A copy with another `param_dtype` (an addition to jmp's API)."""
         return dataclasses.replace(self, param_dtype=param_dtype)
 
     def with_compute_dtype(self, compute_dtype: Any) -> Policy:
-        """A copy with another ``compute_dtype`` (an addition to jmp's API)."""
+        """A copy with another `compute_dtype` (an addition to jmp's API)."""
         return dataclasses.replace(self, compute_dtype=compute_dtype)
 
     def with_output_dtype(self, output_dtype: Any) -> Policy:
-        """A copy with another ``output_dtype``."""
+        """A copy with another `output_dtype`."""
         return dataclasses.replace(self, output_dtype=output_dtype)
 
     def __str__(self) -> str:
@@ -152,15 +162,23 @@ class Policy:
 
 
 def parse_dtype(value: str) -> np.dtype:
-    """A dtype from its name: ``"half"`` (see :func:`half_dtype`), ``"full"``, ``"f32"``,
-    ``"float16"``, ``"bf16"``, ... (the names in ``dtype_to_names``).
+    """A dtype from its name: `"half"` (see `half_dtype`), `"full"`, `"f32"`,
+    `"float16"`, `"bf16"`, ... (the names in `dtype_to_names`).
 
-    **Arguments:** `value`: a dtype name. **Returns:** the NumPy dtype.
+    Args:
+        value: A dtype name.
 
-    Example::
+    Returns:
+        The NumPy dtype.
 
+    Raises:
+        ValueError: `value` is not one of these names.
+
+    Example:
+        ```python
         assert jmp.parse_dtype("bf16") == jnp.bfloat16
         assert jmp.parse_dtype("full") == jnp.float32
+        ```
     """
     name = value.strip() if isinstance(value, str) else value
     if name == "half":
@@ -181,19 +199,28 @@ _KEYS = {
 
 
 def get_policy(policy_name: str) -> Policy:
-    """A :class:`Policy` from a string.
+    """A `Policy` from a string.
 
-    **Arguments:**
+    Args:
+        policy_name: Either one dtype name for all three (`"float32"`, `"half"`,
+            `"bf16"`, ...), or comma-separated `key=dtype` pairs with keys `p`/`params`,
+            `c`/`compute`, `o`/`output`. Params default to float32, compute follows
+            params and output follows compute.
 
-    - ``policy_name``: either one dtype name for all three (``"float32"``, ``"half"``,
-      ``"bf16"``, ...), or comma-separated ``key=dtype`` pairs with keys ``p``/``params``,
-      ``c``/``compute``, ``o``/``output``. Params default to float32, compute follows
-      params and output follows compute.
+    Returns:
+        The policy.
 
-    **Returns:** the policy.
+    Raises:
+        TypeError: `policy_name` is not a string.
+        ValueError: A part is not `key=dtype`, a key is unknown or given twice, or a
+            dtype name is unknown.
 
-    Example: ``get_policy("c=f16")`` is ``Policy(float32, float16, float16)``;
-    ``get_policy("p=f32,c=bf16,o=full")`` computes in bfloat16 and returns float32.
+    Example:
+        ```python
+        assert jmp.get_policy("c=f16") == jmp.Policy(jnp.float32, jnp.float16, jnp.float16)
+        policy = jmp.get_policy("p=f32,c=bf16,o=full")  # computes in bfloat16, returns float32
+        assert (policy.compute_dtype, policy.output_dtype) == (jnp.bfloat16, jnp.float32)
+        ```
     """
     if not isinstance(policy_name, str):
         raise TypeError(f"get_policy: `policy_name` must be a string such as 'p=f32,c=f16'; got {policy_name!r}.")
@@ -221,25 +248,35 @@ def get_policy(policy_name: str) -> Policy:
 
 
 def cast_to_full(tree: T) -> T:
-    """``tree`` with its floating leaves in float32.
+    """`tree` with its floating leaves in float32.
 
-    **Arguments:** `tree`: any pytree. **Returns:** the same tree, floating leaves in float32.
+    Args:
+        tree: Any pytree.
 
-    Example::
+    Returns:
+        The same tree, floating leaves in float32.
 
+    Example:
+        ```python
         half = jmp.cast_to_half(params)
         assert jmp.cast_to_full(half)["w1"].dtype == jnp.float32
+        ```
     """
     return _cast_floating_to(tree, jnp.float32)
 
 
 def cast_to_half(tree: T) -> T:
-    """``tree`` with its floating leaves in :func:`half_dtype`.
+    """`tree` with its floating leaves in `half_dtype`.
 
-    **Arguments:** `tree`: any pytree. **Returns:** the same tree, floating leaves in the half dtype.
+    Args:
+        tree: Any pytree.
 
-    Example::
+    Returns:
+        The same tree, floating leaves in the half dtype.
 
+    Example:
+        ```python
         assert jmp.cast_to_half(params)["w1"].dtype == jmp.half_dtype()
+        ```
     """
     return _cast_floating_to(tree, half_dtype())

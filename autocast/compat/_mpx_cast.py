@@ -53,15 +53,20 @@ def set_half_precision_datatype(datatype: Any) -> None:
     Fixes MPX 0.1.8, which accepts the strings `'float16'`/`'bfloat16'` but silently
     ignores them (only dtype objects take effect there).
 
-    **Arguments:**
+    Args:
+        datatype: `jnp.float16`, `jnp.bfloat16` or a name (`"float16"`, `"bfloat16"`,
+            `"fp16"`, `"bf16"`, ...).
 
-    - `datatype`: `jnp.float16`, `jnp.bfloat16` or a name (`"float16"`, `"bfloat16"`,
-      `"fp16"`, `"bf16"`, ...). Anything else raises `ValueError` (an unknown string) or
-      `TypeError` (anything else), as in MPX.
+    Raises:
+        ValueError: `datatype` is a string that names no half-precision dtype (as in MPX).
+        TypeError: `datatype` is anything else but float16 or bfloat16 (as in MPX).
 
-    **Returns:** `None`.
-
-    Example: `mpx.set_half_precision_datatype("bfloat16")`.
+    Example:
+        ```python
+        mpx.set_half_precision_datatype("bfloat16")
+        assert mpx.half_precision_datatype() == jnp.bfloat16
+        mpx.set_half_precision_datatype(jnp.float16)  # back to the default
+        ```
     """
     _config["half"] = _half_dtype(datatype, "datatype")
 
@@ -69,11 +74,13 @@ def set_half_precision_datatype(datatype: Any) -> None:
 def half_precision_datatype() -> Any:
     """The configured half-precision dtype: `jnp.float16` (the default) or `jnp.bfloat16`.
 
-    **Returns:** the dtype `set_half_precision_datatype` configured.
+    Returns:
+        The dtype `set_half_precision_datatype` configured.
 
-    Example::
-
+    Example:
+        ```python
         assert mpx.half_precision_datatype() == jnp.float16  # the default
+        ```
     """
     return _config["half"]
 
@@ -89,14 +96,21 @@ def cast_tree(tree: Any, dtype: Any) -> Any:
     non-array leaves are returned as they are, as in MPX. Objects that are not pytree
     nodes (a plain class holding arrays) are leaves and are not entered.
 
-    **Arguments:**
+    Args:
+        tree: Any pytree (Equinox modules, dicts, lists, ...).
+        dtype: `float16`, `bfloat16` or `float32` (a dtype or a name such as `"bf16"`).
 
-    - `tree`: any pytree (Equinox modules, dicts, lists, ...).
-    - `dtype`: `float16`, `bfloat16` or `float32` (a dtype or a name such as `"bf16"`).
+    Returns:
+        A pytree with the same structure.
 
-    **Returns:** a pytree with the same structure.
+    Raises:
+        ValueError: `dtype` is not float16, bfloat16 or float32.
 
-    Example: `cast_tree({"w": jnp.ones(3), "step": 1}, jnp.bfloat16)`.
+    Example:
+        ```python
+        out = mpx.cast_tree({"w": jnp.ones(3), "step": 1}, jnp.bfloat16)
+        assert out["w"].dtype == jnp.bfloat16 and out["step"] == 1
+        ```
     """
     target = canonical_compute_dtype(dtype, argument="dtype")
 
@@ -111,11 +125,16 @@ def cast_tree(tree: Any, dtype: Any) -> Any:
 def cast_to_float32(x: Any) -> Any:
     """`cast_tree(x, jnp.float32)`.
 
-    **Arguments:** `x`: any pytree. **Returns:** the tree with its floating array leaves in float32.
+    Args:
+        x: Any pytree.
 
-    Example::
+    Returns:
+        The tree with its floating array leaves in float32.
 
+    Example:
+        ```python
         assert mpx.cast_to_float32(params)["w1"].dtype == jnp.float32
+        ```
     """
     return cast_tree(x, jnp.float32)
 
@@ -123,11 +142,16 @@ def cast_to_float32(x: Any) -> Any:
 def cast_to_float16(x: Any) -> Any:
     """`cast_tree(x, jnp.float16)`.
 
-    **Arguments:** `x`: any pytree. **Returns:** the tree with its floating array leaves in float16.
+    Args:
+        x: Any pytree.
 
-    Example::
+    Returns:
+        The tree with its floating array leaves in float16.
 
+    Example:
+        ```python
         assert mpx.cast_to_float16(params)["w1"].dtype == jnp.float16
+        ```
     """
     return cast_tree(x, jnp.float16)
 
@@ -135,11 +159,16 @@ def cast_to_float16(x: Any) -> Any:
 def cast_to_bfloat16(x: Any) -> Any:
     """`cast_tree(x, jnp.bfloat16)`.
 
-    **Arguments:** `x`: any pytree. **Returns:** the tree with its floating array leaves in bfloat16.
+    Args:
+        x: Any pytree.
 
-    Example::
+    Returns:
+        The tree with its floating array leaves in bfloat16.
 
+    Example:
+        ```python
         assert mpx.cast_to_bfloat16(params)["w1"].dtype == jnp.bfloat16
+        ```
     """
     return cast_tree(x, jnp.bfloat16)
 
@@ -147,11 +176,16 @@ def cast_to_bfloat16(x: Any) -> Any:
 def cast_to_full_precision(x: Any) -> Any:
     """`cast_tree(x, jnp.float32)`.
 
-    **Arguments:** `x`: any pytree. **Returns:** the tree with its floating array leaves in float32.
+    Args:
+        x: Any pytree.
 
-    Example::
+    Returns:
+        The tree with its floating array leaves in float32.
 
+    Example:
+        ```python
         assert mpx.cast_to_full_precision(params)["w1"].dtype == jnp.float32
+        ```
     """
     return cast_tree(x, jnp.float32)
 
@@ -159,18 +193,19 @@ def cast_to_full_precision(x: Any) -> Any:
 def cast_to_half_precision(x: Any, half_dtype: Any = None) -> Any:
     """Cast the floating array leaves of `x` to the half-precision dtype.
 
-    **Arguments:**
+    Args:
+        x: Any pytree.
+        half_dtype: `float16` or `bfloat16` (an autocast extension); default: the dtype
+            set with `set_half_precision_datatype`, read now.
 
-    - `x`: any pytree.
-    - `half_dtype`: (autocast extension) `float16` or `bfloat16`; default: the dtype set
-      with `set_half_precision_datatype`, read now.
+    Returns:
+        The cast pytree.
 
-    **Returns:** the cast pytree.
-
-    Example::
-
+    Example:
+        ```python
         assert mpx.cast_to_half_precision(params)["w1"].dtype == jnp.float16
         assert mpx.cast_to_half_precision(params, half_dtype="bfloat16")["w1"].dtype == jnp.bfloat16
+        ```
     """
     return cast_tree(x, _resolve_half(half_dtype))
 
@@ -202,19 +237,29 @@ def cast_function(
     sensitive operations stay in float32, primitive by primitive. The outputs keep the
     dtypes `func` returns unless `return_dtype` is given.
 
-    **Arguments:**
+    Args:
+        func: The function.
+        dtype: `float16`, `bfloat16` or `float32`.
+        return_dtype: The dtype of the floating outputs; default `dtype` (or, with
+            `automatic=True`, the dtypes `func` returns).
+        automatic: Use per-primitive rules instead of casting everything (an autocast
+            extension).
+        amp_policy: A policy for `amp`, with `automatic=True` (an autocast extension).
 
-    - `func`: the function.
-    - `dtype`: `float16`, `bfloat16` or `float32`.
-    - `return_dtype`: the dtype of the floating outputs; default `dtype` (or, with
-      `automatic=True`, the dtypes `func` returns).
-    - `automatic`: (autocast extension) use per-primitive rules instead of casting
-      everything.
-    - `amp_policy`: (autocast extension, with `automatic=True`) a policy for `amp`.
+    Returns:
+        The wrapped function.
 
-    **Returns:** the wrapped function.
+    Raises:
+        ValueError: `dtype` or `return_dtype` is not float16, bfloat16 or float32, or
+            `amp_policy` is given without `automatic=True`.
 
-    Example: `fast = mpx.cast_function(mlp, jnp.bfloat16, automatic=True)`.
+    Example:
+        ```python
+        fast = mpx.cast_function(model, jnp.bfloat16, automatic=True)
+        assert jnp.allclose(fast(x[0]), model(x[0]), atol=5e-2)
+        plain = mpx.cast_function(model, jnp.bfloat16)  # arguments and outputs in bfloat16
+        assert plain(x[0]).dtype == jnp.bfloat16
+        ```
     """
     compute = canonical_compute_dtype(dtype, argument="dtype")
     out_dtype = None if return_dtype is None else canonical_compute_dtype(return_dtype, argument="return_dtype")
@@ -245,20 +290,24 @@ def force_full_precision(func: Callable, return_dtype: Any = None) -> Callable:
     array inputs exactly), so half-precision callers get half precision back and float32
     callers keep float32; outputs stay float32 if no floating array was passed.
 
-    **Arguments:**
+    Args:
+        func: The function.
+        return_dtype: The dtype of the floating outputs; default: that of the inputs.
 
-    - `func`: the function.
-    - `return_dtype`: the dtype of the floating outputs; default: that of the inputs.
+    Returns:
+        The wrapped function.
 
-    **Returns:** the wrapped function.
+    Raises:
+        ValueError: `return_dtype` is not float16, bfloat16 or float32.
 
     Example:
+        ```python
+        @mpx.force_full_precision
+        def logsumexp(x):
+            return jax.nn.logsumexp(x)
 
-    ```python
-    @mpx.force_full_precision
-    def logsumexp(x):
-        return jax.nn.logsumexp(x)
-    ```
+        assert logsumexp(jnp.ones(3, jnp.float16)).dtype == jnp.float16  # computed in float32
+        ```
     """
     out_dtype = None if return_dtype is None else canonical_compute_dtype(return_dtype, argument="return_dtype")
 

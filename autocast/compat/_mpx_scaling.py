@@ -59,22 +59,27 @@ class DynamicLossScaling(eqx.Module):
     - A shape-`(1,)` scale (older MPX releases and MPX's own tests) is accepted; the
       state keeps that shape. Python numbers are accepted and stored as float32.
 
-    **Arguments:**
+    Args:
+        loss_scaling: The initial scale, e.g. `mpx.FLOAT16_MAX`.
+        min_loss_scaling: The lower bound, e.g. `jnp.ones(())`.
+        factor: Growth and backoff factor (default 2).
+        period: Finite steps between growths (default 2000).
+        counter: Finite steps since the last change (default 0).
+        half_dtype: The dtype whose maximum bounds the scale (static; an autocast
+            extension); default: the configured half-precision dtype when the state is
+            created.
 
-    - `loss_scaling`: the initial scale, e.g. `mpx.FLOAT16_MAX`.
-    - `min_loss_scaling`: the lower bound, e.g. `jnp.ones(())`.
-    - `factor`: growth and backoff factor (default 2).
-    - `period`: finite steps between growths (default 2000).
-    - `counter`: finite steps since the last change (default 0).
-    - `half_dtype`: (autocast extension, static) the dtype whose maximum bounds the
-      scale; default: the configured half-precision dtype when the state is created.
+    Raises:
+        ValueError: `loss_scaling` or `min_loss_scaling` is not a positive scalar,
+            `factor` is not > 1, `period` is below 1, or `half_dtype` names no
+            half-precision dtype.
+        TypeError: `half_dtype` is not a half-precision dtype.
 
     Example:
-
-    ```python
-    scaling = mpx.DynamicLossScaling(loss_scaling=mpx.FLOAT16_MAX,
-                                     min_loss_scaling=jnp.ones(()), period=2000)
-    ```
+        ```python
+        scaling = mpx.DynamicLossScaling(loss_scaling=mpx.FLOAT16_MAX,
+                                         min_loss_scaling=jnp.ones(()), period=2000)
+        ```
     """
 
     loss_scaling: jax.Array
@@ -140,7 +145,19 @@ def all_finite(tree: Any) -> jax.Array:
     """Scalar bool: no inf/NaN in any floating leaf of `tree` (True for an empty tree).
 
     Python floats count; non-array leaves such as functions are ignored (MPX fails on
-    them). Example: `mpx.all_finite({"g": jnp.array([1.0, jnp.inf])})` is `False`.
+    them).
+
+    Args:
+        tree: Any pytree.
+
+    Returns:
+        A scalar boolean array.
+
+    Example:
+        ```python
+        assert not mpx.all_finite({"g": jnp.array([1.0, jnp.inf])})
+        assert not mpx.all_finite({"g": float("nan"), "act": jax.nn.relu})
+        ```
     """
     return _all_finite(jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, (float, complex)) else x, tree))
 
@@ -148,14 +165,25 @@ def all_finite(tree: Any) -> jax.Array:
 def select_tree(pred: Any, a: Any, b: Any) -> Any:
     """Leafwise `a if pred else b` for a scalar bool `pred`; non-array leaves come from `a`.
 
-    **Arguments:** `pred` (scalar bool), `a`, `b` (pytrees of the same structure).
+    Args:
+        pred: A scalar bool.
+        a: The pytree chosen where `pred` is True.
+        b: A pytree with the structure of `a` (matching array leaves: same shape and
+            dtype).
 
-    **Returns:** `a` where `pred`, else `b`, leaf by leaf.
+    Returns:
+        `a` where `pred`, else `b`, leaf by leaf.
 
-    Example::
+    Raises:
+        TypeError: `pred` is not boolean, or matching array leaves differ in shape or dtype.
+        ValueError: `pred` is not a scalar.
 
+    Example:
+        ```python
         zeros = jax.tree.map(jnp.zeros_like, params)
-        assert mpx.select_tree(jnp.bool_(False), zeros, params) is not None
+        kept = mpx.select_tree(jnp.bool_(False), zeros, params)
+        assert (kept["w1"] == params["w1"]).all()
+        ```
     """
     return _select_tree(pred, a, b)
 
@@ -169,13 +197,22 @@ def optimizer_update(
 ) -> tuple[Any, Any]:
     """One optax step if `grads_finite`; otherwise `(model, optimizer_state)` unchanged.
 
-    **Returns:** `(model, optimizer_state)`. See `autocast.optimizer_update`.
+    Args:
+        model: A pytree of parameters or an Equinox module.
+        optimizer: An `optax.GradientTransformation`.
+        optimizer_state: Its state.
+        grads: Gradients with the structure of the model's inexact arrays.
+        grads_finite: A scalar bool.
 
-    Example::
+    Returns:
+        `(model, optimizer_state)`. See `autocast.optimizer_update`.
 
+    Example:
+        ```python
         grads = jax.grad(loss_fn)(params, batch)
         new_params, new_state = mpx.optimizer_update(params, optim, opt_state, grads, jnp.bool_(False))
         assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), new_params, params)))
+        ```
     """
     return _optimizer_update(model, optimizer, optimizer_state, grads, grads_finite)
 
@@ -184,15 +221,20 @@ def scaled(func: Callable, scaling: DynamicLossScaling, has_aux: bool = False) -
     """`func` with its value (the first output if `has_aux`) multiplied by the scale, in
     float32 (or wider).
 
-    **Arguments:** `func`, `scaling` (a `DynamicLossScaling`), `has_aux`.
+    Args:
+        func: The function.
+        scaling: A `DynamicLossScaling`.
+        has_aux: Whether `func` returns `(value, aux)`; only the value is scaled.
 
-    **Returns:** the wrapped function.
+    Returns:
+        The wrapped function.
 
-    Example::
-
+    Example:
+        ```python
         scaling = mpx.DynamicLossScaling(jnp.float32(2**10), jnp.float32(1.0))
         scaled_loss = mpx.scaled(loss_fn, scaling)(params, batch)
         assert float(scaled_loss) == float(loss_fn(params, batch)) * 2**10
+        ```
     """
 
     @functools.wraps(func)
@@ -228,13 +270,29 @@ def calculate_scaled_grad(
     Returns what MPX returns: the *scaled* value (and aux) and the *scaled* gradients,
     neither unscaled nor checked. The value is scaled in float32.
 
-    Example::
+    Args:
+        func: Returns a scalar loss (or `(loss, aux)` with `has_aux=True`).
+        scaling: A `DynamicLossScaling`.
+        has_aux: Whether `func` returns `(loss, aux)`.
+        use_mixed_precision: `False` gives plain `equinox.filter_value_and_grad` with
+            no casting and no scaling (as in MPX).
+        half_dtype: `float16`/`bfloat16` (an autocast extension); default: the
+            configured dtype, read when `calculate_scaled_grad` is called.
+        automatic: Do not cast the arguments; run `func` under `autocast.amp` with
+            per-primitive rules instead (an autocast extension).
 
+    Returns:
+        A function returning `(scaled value, scaled grads)`, or
+            `((scaled value, aux), scaled grads)` with `has_aux`.
+
+    Example:
+        ```python
         def loss_and_aux(params, batch):
             return loss_fn(params, batch), None
 
         scaling = mpx.DynamicLossScaling(jnp.float32(2**10), jnp.float32(1.0))
         (scaled_loss, aux), scaled_grads = mpx.calculate_scaled_grad(loss_and_aux, scaling, has_aux=True)(params, batch)
+        ```
     """
     half = _resolve_half(half_dtype)
     fn = _maybe_amp(func, half, automatic)
@@ -279,23 +337,32 @@ def filter_grad(
     the loss by the scale in float32, differentiates, unscales the gradients (float32)
     with the scale the loss was multiplied by, checks them and adjusts the scale.
 
-    **Arguments:**
+    Args:
+        func: Returns a scalar loss (or `(loss, aux)` with `has_aux=True`).
+        scaling: A `DynamicLossScaling`.
+        has_aux: Whether `func` returns `(loss, aux)`.
+        use_mixed_precision: `False` gives plain `equinox.filter_grad` with
+            `grads_finite=True` and `scaling` unchanged (as in MPX).
+        half_dtype: `float16`/`bfloat16` (an autocast extension); default: the
+            configured dtype, read when `filter_grad` is called.
+        automatic: Do not cast the arguments; run `func` under `autocast.amp` with
+            per-primitive rules instead (an autocast extension).
 
-    - `func`: returns a scalar loss (or `(loss, aux)` with `has_aux=True`).
-    - `scaling`: a `DynamicLossScaling`.
-    - `has_aux`: whether `func` returns `(loss, aux)`.
-    - `use_mixed_precision`: `False` gives plain `equinox.filter_grad` with
-      `grads_finite=True` and `scaling` unchanged (as in MPX).
-    - `half_dtype`: (autocast extension) `float16`/`bfloat16`; default: the configured
-      dtype, read when `filter_grad` is called.
-    - `automatic`: (autocast extension) do not cast the arguments; run `func` under
-      `autocast.amp` with per-primitive rules instead.
+    Returns:
+        A function returning `(scaling, grads_finite, grads)` or, with
+            `has_aux`, `(scaling, grads_finite, grads, aux)`. The order differs from
+            `filter_value_and_grad` (value first, then scaling): kept for MPX compatibility.
 
-    **Returns:** a function returning `(scaling, grads_finite, grads)` or, with
-    `has_aux`, `(scaling, grads_finite, grads, aux)`. The order differs from
-    `filter_value_and_grad` (value first, then scaling): kept for MPX compatibility.
+    Raises:
+        TypeError: When the function is called: `scaling` is not a `DynamicLossScaling`,
+            or `func` does not return a scalar floating-point loss.
 
-    Example: `scaling, finite, grads = mpx.filter_grad(loss_fn, scaling)(model, x, y)`.
+    Example:
+        ```python
+        scaling = mpx.DynamicLossScaling(jnp.float32(2**10), jnp.float32(1.0))
+        scaling, finite, grads = mpx.filter_grad(loss_fn, scaling)(params, batch)
+        assert bool(finite) and grads["w1"].dtype == jnp.float32
+        ```
     """
     half = _resolve_half(half_dtype)
     fn = _maybe_amp(func, half, automatic)
@@ -327,21 +394,36 @@ def filter_value_and_grad(
     The value is the loss `func` returned, in float32, exactly: MPX divides the scaled
     loss by the *adjusted* scale, so on a growth step it logs half the loss.
 
-    **Returns:** a function returning `(value, scaling, grads_finite, grads)` or, with
-    `has_aux`, `((value, aux), scaling, grads_finite, grads)`.
+    Args:
+        func: Returns a scalar loss (or `(loss, aux)` with `has_aux=True`).
+        scaling: A `DynamicLossScaling`.
+        has_aux: Whether `func` returns `(loss, aux)`.
+        use_mixed_precision: `False` gives plain `equinox.filter_value_and_grad` with
+            `grads_finite=True` and `scaling` unchanged (as in MPX).
+        half_dtype: `float16`/`bfloat16` (an autocast extension); default: the
+            configured dtype, read when `filter_value_and_grad` is called.
+        automatic: Do not cast the arguments; run `func` under `autocast.amp` with
+            per-primitive rules instead (an autocast extension).
+
+    Returns:
+        A function returning `(value, scaling, grads_finite, grads)` or, with
+            `has_aux`, `((value, aux), scaling, grads_finite, grads)`.
+
+    Raises:
+        TypeError: When the function is called: `scaling` is not a `DynamicLossScaling`,
+            or `func` does not return a scalar floating-point loss.
 
     Example:
+        ```python
+        def loss_and_aux(params, batch):
+            return loss_fn(params, batch), None
 
-    ```python
-    def loss_and_aux(params, batch):
-        return loss_fn(params, batch), None
-
-    scaling = mpx.DynamicLossScaling(jnp.float32(2**15), jnp.float32(1.0), period=2000)
-    (loss, aux), scaling, finite, grads = mpx.filter_value_and_grad(loss_and_aux, scaling=scaling, has_aux=True)(
-        params, batch
-    )
-    params, opt_state = mpx.optimizer_update(params, optim, opt_state, grads, finite)
-    ```
+        scaling = mpx.DynamicLossScaling(jnp.float32(2**15), jnp.float32(1.0), period=2000)
+        (loss, aux), scaling, finite, grads = mpx.filter_value_and_grad(loss_and_aux, scaling=scaling, has_aux=True)(
+            params, batch
+        )
+        params, opt_state = mpx.optimizer_update(params, optim, opt_state, grads, finite)
+        ```
     """
     half = _resolve_half(half_dtype)
     fn = _maybe_amp(func, half, automatic)

@@ -1,18 +1,18 @@
-"""jaxamp 0.0.4's API on autocast: ``import autocast.compat.jaxamp as jaxamp``.
+"""jaxamp 0.0.4's API on autocast: `import autocast.compat.jaxamp as jaxamp`.
 
-Every name jaxamp exports, with jaxamp's signatures and defaults: ``amp``, ``amp_stop``,
-``default_amp_policy`` (jaxamp's table: add/sub/matmul/conv in the compute dtype;
+Every name jaxamp exports, with jaxamp's signatures and defaults: `amp`, `amp_stop`,
+`default_amp_policy` (jaxamp's table: add/sub/matmul/conv in the compute dtype;
 exp/log/mul/div in float32; everything else in its traced dtype), the rules
-``use_compute_precision`` / ``use_original_precision``, ``DynamicScalerState`` (jaxamp's
-schedule: the scale grows on the finite step *after* ``patience`` finite steps),
-``dynamic_scale_grad``, ``dynamic_scale_value_and_grad`` (``redo_on_nan=10`` by default,
-as in jaxamp) and ``dynamic_scale_tx``.
+`use_compute_precision` / `use_original_precision`, `DynamicScalerState` (jaxamp's
+schedule: the scale grows on the finite step *after* `patience` finite steps),
+`dynamic_scale_grad`, `dynamic_scale_value_and_grad` (`redo_on_nan=10` by default,
+as in jaxamp) and `dynamic_scale_tx`.
 
 The work is done by autocast, so this also runs on current JAX (jaxamp 0.0.4 does not),
-transforms the bodies of nested ``jit``/``scan``/``cond``/..., keeps the loss scale a
-finite power of two within ``[min_scaler, max_scaler]``, scales the loss in float32,
-returns the loss value exactly and ignores NaNs in ``aux``. For new code prefer
-``autocast.default_amp_policy`` (a per-primitive table) over jaxamp's.
+transforms the bodies of nested `jit`/`scan`/`cond`/..., keeps the loss scale a
+finite power of two within `[min_scaler, max_scaler]`, scales the loss in float32,
+returns the loss value exactly and ignores NaNs in `aux`. For new code prefer
+`autocast.default_amp_policy` (a per-primitive table) over jaxamp's.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ default_amp_policy: dict[Any, Any] = {
     lax.mul_p: use_precision(jnp.float32),
     lax.div_p: use_precision(jnp.float32),
 }
-"""jaxamp's policy, a plain ``dict`` as in jaxamp (so ``default_amp_policy | {...}`` works)."""
+"""jaxamp's policy, a plain `dict` as in jaxamp (so `default_amp_policy | {...}` works)."""
 
 
 def amp(
@@ -68,53 +68,68 @@ def amp(
     compute_dtype: Any = jnp.float16,
     amp_policy: dict = default_amp_policy,
 ) -> Callable:
-    """jaxamp's ``amp``: :func:`autocast.amp` with jaxamp's default policy.
+    """jaxamp's `amp`: `autocast.amp` with jaxamp's default policy.
 
-    **Arguments:**
+    Args:
+        sentinal: The function (jaxamp's spelling); omit it for a decorator.
+        compute_dtype: The half-precision dtype (default float16).
+        amp_policy: Primitive or `jax.named_scope` name -> rule; default jaxamp's table.
 
-    - ``sentinal``: the function (jaxamp's spelling); omit it for a decorator.
-    - ``compute_dtype``: the half-precision dtype (default float16).
-    - ``amp_policy``: primitive or ``jax.named_scope`` name -> rule; default jaxamp's table.
+    Returns:
+        The function run in mixed precision (outputs in the traced dtypes).
 
-    **Returns:** the function run in mixed precision (outputs in the traced dtypes).
-
-    Example: ``loss = jaxamp.amp(loss_fn)(model, batch)``.
+    Example:
+        ```python
+        loss = jaxamp.amp(loss_fn)(params, batch)
+        assert loss.dtype == jnp.float32 and jnp.allclose(loss, loss_fn(params, batch), rtol=1e-2)
+        ```
     """
     return _amp.amp(sentinal, compute_dtype=compute_dtype, amp_policy=amp_policy)
 
 
 def amp_stop(f: Callable | None = None) -> Any:
-    """jaxamp's ``amp_stop``: :func:`autocast.amp_stop` (context manager or decorator).
+    """jaxamp's `amp_stop`: `autocast.amp_stop` (context manager or decorator).
 
-    **Arguments:** `f` (optional): a function. **Returns:** `f` wrapped, or a context manager.
+    Args:
+        f: A function to run with mixed precision off; without it, a context manager.
 
-    Example::
+    Returns:
+        `f` wrapped, or a context manager.
 
+    Example:
+        ```python
         def f(params, x):
             with jaxamp.amp_stop():
                 return x @ params["w1"]
 
         assert jaxamp.amp(f)(params, x).dtype == jnp.float32
+        ```
     """
     return _scope.amp_stop(f)
 
 
 class DynamicScalerState(_loss_scale.DynamicScalerState):
-    """jaxamp's ``DynamicScalerState``: :class:`autocast.DynamicScalerState` with jaxamp's
+    """jaxamp's `DynamicScalerState`: `autocast.DynamicScalerState` with jaxamp's
     growth schedule.
 
-    **Arguments:** ``patience``, ``adjust_factor``, ``scaler``, ``count``,
-    ``total_resets`` in jaxamp's order and with its defaults (2000, 2.0, 2**15, 0, 0),
-    plus autocast's keyword-only ``backoff_factor``, ``min_scaler``, ``max_scaler``,
-    ``grads_finite``.
+    Takes the arguments of `autocast.DynamicScalerState`: `patience`, `adjust_factor`,
+    `scaler`, `count` and `total_resets` in jaxamp's order and with its defaults (2000,
+    2.0, 2**15, 0, 0), plus autocast's keyword-only `backoff_factor`, `min_scaler`,
+    `max_scaler` and `grads_finite`.
 
-    As in jaxamp, a finite step with ``count >= patience`` grows the scale (and resets
-    ``count``); any other finite step increments ``count``. So the scale grows every
-    ``patience + 1`` finite steps (:class:`autocast.DynamicScalerState`: every
-    ``patience``). Unlike jaxamp the state is an Equinox module with static
-    configuration, scales are powers of two and stay within ``[min_scaler, max_scaler]``.
+    As in jaxamp, a finite step with `count >= patience` grows the scale (and resets
+    `count`); any other finite step increments `count`. So the scale grows every
+    `patience + 1` finite steps (`autocast.DynamicScalerState`: every
+    `patience`). Unlike jaxamp the state is an Equinox module with static
+    configuration, scales are powers of two and stay within `[min_scaler, max_scaler]`.
 
-    Example: ``state = jaxamp.DynamicScalerState(scaler=2**15, patience=10)``.
+    Example:
+        ```python
+        state = jaxamp.DynamicScalerState(scaler=2**15, patience=1)
+        state = state.adjust(jnp.array(True))  # count 0 -> 1
+        state = state.adjust(jnp.array(True))  # count >= patience: the scale grows
+        assert float(state.scaler) == 2.0**16
+        ```
     """
 
     def adjust(self, grads_finite: Any) -> DynamicScalerState:
@@ -160,19 +175,27 @@ def _grad_options(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 def dynamic_scale_grad(
     fun: Callable, *, has_aux: bool = False, redo_on_nan: int = 0, filter: bool = True, **kwargs: Any
 ) -> Callable:
-    """jaxamp's ``dynamic_scale_grad``: :func:`autocast.dynamic_scale_grad`.
+    """jaxamp's `dynamic_scale_grad`: `autocast.dynamic_scale_grad`.
 
-    **Arguments:** ``fun``, ``has_aux``, ``redo_on_nan`` (default 0), ``filter``
-    (``equinox.filter_grad`` if True, ``jax.grad`` if False); ``**kwargs`` may be
-    ``argnums`` or ``axis_name``.
+    Args:
+        fun: The loss function, returning a scalar floating-point loss (or `(loss, aux)`
+            with `has_aux=True`).
+        has_aux: As in `jax.grad`; NaNs in aux do not count as a failure.
+        redo_on_nan: On non-finite gradients, back off and recompute at most this many
+            times inside the step (default 0).
+        filter: `equinox.filter_grad` if True, `jax.grad` if False.
+        **kwargs: `argnums` or `axis_name` (as in `autocast.dynamic_scale_grad`); anything else
+            raises `TypeError`.
 
-    **Returns:** ``g(*args, dynamic_scaler_state=state)`` -> ``(new_state, grads)`` or
-    ``(new_state, (grads, aux))``.
+    Returns:
+        `g(*args, dynamic_scaler_state=state)` -> `(new_state, grads)` or
+            `(new_state, (grads, aux))`.
 
-    Example::
-
+    Example:
+        ```python
         state = jaxamp.DynamicScalerState()
         state, grads = jaxamp.dynamic_scale_grad(jaxamp.amp(loss_fn))(params, batch, dynamic_scaler_state=state)
+        ```
     """
     options = _grad_options("dynamic_scale_grad", kwargs)
     return _scaled_grad.dynamic_scale_grad(fun, has_aux=has_aux, redo_on_nan=redo_on_nan, filter=filter, **options)
@@ -181,19 +204,29 @@ def dynamic_scale_grad(
 def dynamic_scale_value_and_grad(
     fun: Callable, *, has_aux: bool = False, redo_on_nan: int = 10, filter: bool = True, **kwargs: Any
 ) -> Callable:
-    """jaxamp's ``dynamic_scale_value_and_grad``: :func:`autocast.dynamic_scale_value_and_grad`
-    with jaxamp's default ``redo_on_nan=10``.
+    """jaxamp's `dynamic_scale_value_and_grad`: `autocast.dynamic_scale_value_and_grad`
+    with jaxamp's default `redo_on_nan=10`.
 
-    **Arguments:** as :func:`dynamic_scale_grad`.
+    Args:
+        fun: The loss function, returning a scalar floating-point loss (or `(loss, aux)`
+            with `has_aux=True`).
+        has_aux: As in `jax.value_and_grad`; NaNs in aux do not count as a failure.
+        redo_on_nan: On non-finite gradients, back off and recompute at most this many
+            times inside the step (default 10).
+        filter: `equinox.filter_value_and_grad` if True, `jax.value_and_grad` if False.
+        **kwargs: `argnums` or `axis_name` (as in `autocast.dynamic_scale_value_and_grad`); anything else
+            raises `TypeError`.
 
-    **Returns:** ``g(*args, dynamic_scaler_state=state)`` -> ``(new_state, (value, grads))``
-    or ``(new_state, ((value, aux), grads))``; ``value`` is exactly what ``fun`` returned.
+    Returns:
+        `g(*args, dynamic_scaler_state=state)` -> `(new_state, (value, grads))`
+            or `(new_state, ((value, aux), grads))`; `value` is exactly what `fun` returned.
 
-    Example::
-
+    Example:
+        ```python
         state = jaxamp.DynamicScalerState()
         grad_fn = jaxamp.dynamic_scale_value_and_grad(jaxamp.amp(loss_fn))
         state, (loss, grads) = grad_fn(params, batch, dynamic_scaler_state=state)
+        ```
     """
     options = _grad_options("dynamic_scale_value_and_grad", kwargs)
     return _scaled_grad.dynamic_scale_value_and_grad(
@@ -220,24 +253,39 @@ def dynamic_scale_tx(
     *,
     axis_name: Hashable | None = None,
 ) -> Callable:
-    """jaxamp's ``dynamic_scale_tx``: loss-scale any function transformation.
+    """jaxamp's `dynamic_scale_tx`: loss-scale any function transformation.
 
-    **Arguments:**
+    Args:
+        transform: E.g. `jax.grad` or `jax.jacrev`, called as
+            `transform(scaled_fun, *args, **kwargs)`.
+        redo_on_nan: Back off and recompute at most this many times on a non-finite result.
+        unscale_fn: `unscale_fn(results, state)` unscales the transformation's results;
+            default: every floating leaf divided by the scale (in float32, back to its
+            own dtype).
+        scale_fn: `scale_fn(result, state)` scales the function's result; default: the
+            result (or the first element of a `(value, aux)` pair) times the scale, in
+            float32.
+        axis_name: Agree on the finite flag across this mapped axis.
 
-    - ``transform``: e.g. ``jax.grad`` or ``jax.jacrev``, called as
-      ``transform(scaled_fun, *args, **kwargs)``.
-    - ``redo_on_nan``: back off and recompute at most this many times on a non-finite result.
-    - ``unscale_fn(results, state)``: default: every floating leaf divided by the scale
-      (in float32, back to its own dtype).
-    - ``scale_fn(result, state)``: default: the result (or the first element of a
-      ``(value, aux)`` pair) times the scale, in float32.
-    - ``axis_name``: agree on the finite flag across this mapped axis.
+    Returns:
+        `scaled_transform(fun, *args, **kwargs)`, which returns
+            `g(*f_args, dynamic_scaler_state=state, **f_kwargs)` -> `(new_state, results)`;
+            every floating leaf of the unscaled `results` is checked for inf/NaN.
 
-    **Returns:** ``scaled_transform(fun, *args, **kwargs)``, which returns
-    ``g(*f_args, dynamic_scaler_state=state, **f_kwargs)`` -> ``(new_state, results)``;
-    every floating leaf of the unscaled ``results`` is checked for inf/NaN.
+    Raises:
+        TypeError: `transform` is not callable or `redo_on_nan` is not an int; when `g`
+            is called: `dynamic_scaler_state` is missing or not a scaler state.
+        ValueError: `redo_on_nan` is negative.
 
-    Example: ``state, hess = dynamic_scale_tx(jax.hessian)(f)(x, dynamic_scaler_state=state)``.
+    Example:
+        ```python
+        def f(x):
+            return jnp.sum(jnp.sin(x) ** 2)
+
+        state = jaxamp.DynamicScalerState()
+        state, hess = jaxamp.dynamic_scale_tx(jax.hessian)(f)(jnp.ones(3), dynamic_scaler_state=state)
+        assert jnp.allclose(hess, jax.hessian(f)(jnp.ones(3)))
+        ```
     """
     if not callable(transform):
         raise TypeError(f"dynamic_scale_tx: `transform` must be callable; got {type(transform).__name__}.")

@@ -1,25 +1,26 @@
-"""jmp 0.0.4's API on autocast: ``import autocast.compat.jmp as jmp``.
+"""jmp 0.0.4's API on autocast: `import autocast.compat.jmp as jmp`.
 
-Every name jmp exports (``Policy``, ``get_policy``, ``cast_to_full``, ``cast_to_half``,
-``half_dtype``, ``NoOpLossScale``, ``StaticLossScale``, ``DynamicLossScale``,
-``LossScale``, ``all_finite``, ``select_tree``) plus the helpers its tests use
-(``dtype_to_names``, ``name_to_dtype``, ``parse_dtype``), with jmp's signatures and
-defaults. jmp's own test suite passes against this module (``tests/test_compat_jmp_suite.py``).
+Every name jmp exports (`Policy`, `get_policy`, `cast_to_full`, `cast_to_half`,
+`half_dtype`, `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`,
+`LossScale`, `all_finite`, `select_tree`) plus the helpers its tests use
+(`dtype_to_names`, `name_to_dtype`, `parse_dtype`), with jmp's signatures and
+defaults. jmp's own test suite passes against this module (`tests/test_compat_jmp_suite.py`).
 
-Fixed jmp bugs: the loss-scale states are Equinox modules, so ``min_loss_scale`` survives
-``jit``/``tree_map``/checkpoints (jmp's hand-written ``tree_flatten`` drops it); a float16
-initial scale is stored as float32 (jmp's ``adjust`` crashes on it); ``select_tree`` keeps
+Fixed jmp bugs: the loss-scale states are Equinox modules, so `min_loss_scale` survives
+`jit`/`tree_map`/checkpoints (jmp's hand-written `tree_flatten` drops it); a float16
+initial scale is stored as float32 (jmp's `adjust` crashes on it); `select_tree` keeps
 non-array leaves such as an Equinox module's activation function (jmp's raises); float64
-leaves are not rounded to half precision when ``jax_enable_x64`` is on; losses are
+leaves are not rounded to half precision when `jax_enable_x64` is on; losses are
 scaled in float32, so a float16 loss times a Python scale cannot overflow; integer leaves
 are never scaled; unscaled gradients keep their dtype.
 
-Example::
-
+Example:
+    ```python
     import autocast.compat.jmp as jmp
 
     policy = jmp.get_policy("p=f32,c=f16,o=f32")
     loss_scale = jmp.DynamicLossScale(jnp.float32(2**15))
+    ```
 """
 
 from ._jmp_loss_scale import DynamicLossScale as DynamicLossScale
