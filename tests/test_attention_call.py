@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from attention_cases import (
     MATCHES,
+    SOFTMAX_FORMS,
     B,
     H,
     N,
@@ -54,6 +55,16 @@ def test_call_computes_the_replaced_equations(case, dtype):
     assert max(errors(new, ref)) <= 3 * eps, [f"{e / eps:.2f}" for e in errors(new, ref)]
 
 
+@pytest.mark.parametrize("form", SOFTMAX_FORMS[1:])
+def test_call_against_the_custom_jvp_softmax(form):
+    """The original's gradient through ``custom_jvp[_softmax]`` (``jax_softmax_custom_jvp``)."""
+    for case in (MATCHES[0], next(c for c in MATCHES if c.name == "jaxnn_causal")):
+        tr = traced(case, form)
+        ref = [np.asarray(x) for x in value_and_grads(replaced(tr.jaxpr), tr.leaves)]
+        new = value_and_grads(replaced(tr.jaxpr, tr.matches), tr.leaves)
+        assert max(errors(new, ref)) <= 3 * float(jnp.finfo(jnp.bfloat16).eps), case
+
+
 def _padded_case(t):
     q, k, v = (np.random.default_rng(i).standard_normal((B, t, N, H)).astype(np.float32) for i in range(3))
     mask = np.random.default_rng(5).random((B, t, t)) < 0.8
@@ -70,13 +81,13 @@ def _padded_case(t):
 def test_padded_sequences_compute_the_same():
     """Odd lengths (a vision transformer's 197 tokens) padded for cuDNN: padded keys masked,
     padded queries sliced off, the mask padded to match; values and gradients."""
-    fn, args = _padded_case(T + 1)
+    fn, args = _padded_case(T - 1)  # padded to T: the kernel's shapes are the other tests' ones
     jaxpr = jax.make_jaxpr(fn)(*args)
     (m,) = attention.find(jaxpr, compute_dtype=jnp.bfloat16)
     assert m.mask.kind == attention.MaskKind.CAUSAL | attention.MaskKind.MASK
     ref = [np.asarray(x) for x in value_and_grads(replaced(jaxpr), args)]
     eps = float(jnp.finfo(jnp.bfloat16).eps)
-    for multiple in (2, 2 * T):  # both pad T + 1 to 2 T
+    for multiple in (2, T):  # both pad T - 1 to T
         padded = attention.pad_sequences(m, multiple)
         assert padded.seq_multiple == multiple and "padded to a multiple" in padded.describe()
         new = value_and_grads(replaced(jaxpr, [padded]), args)

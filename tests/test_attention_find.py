@@ -86,10 +86,18 @@ def _custom(q, k, v):
 _custom.defvjp(lambda q, k, v: (einsum_where(q, k, v), (q, k, v)), lambda res, g: res)
 
 
+@jax.custom_jvp
+def _custom_jvp(q, k, v):
+    return einsum_where(q, k, v)
+
+
+_custom_jvp.defjvp(lambda primals, tangents: (einsum_where(*primals), jnp.zeros_like(primals[0])))
+
+
 @pytest.mark.parametrize(
     "wrap",
-    [jax.jit(einsum_where), jax.checkpoint(einsum_where), _scanned, _custom],
-    ids=["jit", "checkpoint", "scan", "custom_vjp"],
+    [jax.jit(einsum_where), jax.checkpoint(einsum_where), _scanned, _custom, _custom_jvp],
+    ids=["jit", "checkpoint", "scan", "custom_vjp", "custom_jvp"],
 )
 def test_nested_bodies(wrap):
     """The recogniser reads one jaxpr's top-level equations: an attention inside a body is

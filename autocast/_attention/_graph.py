@@ -104,6 +104,7 @@ class Graph:
         self.outside: set[int] = set()  # ids the jaxpr returns
         self._consts: dict[int, Any] = {}
         self._values: dict[int, Any] = {}
+        self._unfoldable: set[int] = set()
         self._dot_free: dict[int, bool] = {}
         self._next = 0
         env: dict[Any, Atom] = {}
@@ -238,8 +239,19 @@ class Graph:
         return not isinstance(atom, int) or atom in self.const_ids
 
     def foldable(self, atom: Atom) -> bool:
-        """A constant small enough to evaluate at trace time (:data:`FOLD_LIMIT` elements)."""
-        return self.is_const(atom) and int(np.prod(self.shape(atom), dtype=np.int64)) <= FOLD_LIMIT
+        """A constant that evaluates at trace time, of at most :data:`FOLD_LIMIT` elements
+        (one whose evaluation fails is treated as traced)."""
+        if not self.is_const(atom) or int(np.prod(self.shape(atom), dtype=np.int64)) > FOLD_LIMIT:
+            return False
+        if isinstance(atom, int) and atom in self._unfoldable:
+            return False
+        try:
+            self.value(atom)
+        except Exception:  # a primitive that does not evaluate eagerly here
+            if isinstance(atom, int):
+                self._unfoldable.add(atom)
+            return False
+        return True
 
     def known(self, i: int) -> bool:
         """Whether ``i`` has a value given to the graph (a constant of the jaxpr or a body)."""

@@ -118,7 +118,7 @@ def _conjuncts(g: Graph, atom: Atom, amap: _layout.AxisMap, positive: bool) -> l
     """``atom`` (kept where it equals ``positive``) as a conjunction of leaves."""
     atom, amap = peel_layout(g, atom, amap)
     node = g.node_of(atom)
-    if node is None or g.foldable(atom):
+    if node is None:
         return [(atom, amap, positive)]
     if node.name == "not":
         return _conjuncts(g, node.ins[0], amap, not positive)

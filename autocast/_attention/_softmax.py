@@ -52,7 +52,7 @@ def _reduced_from(g: Graph, atom: Atom, reducer: str, nodes: set[int]) -> tuple[
         if node.name in _RESTORE:
             atom = node.ins[0]
         elif node.name == "max" and reducer == "reduce_max":
-            consts = [a for a in node.ins if g.is_const(a)]
+            consts = [a for a in node.ins if g.foldable(a)]
             if len(consts) != 1 or not np.all(np.isneginf(g.value(consts[0]).astype(np.float32))):
                 return None
             atom = next(a for a in node.ins if not g.is_const(a))
