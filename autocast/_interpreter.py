@@ -250,8 +250,18 @@ def _narrow(ctx: Context, eqns: Sequence[Any], narrow: set, env: dict) -> None:
             if v in narrow and v in env:
                 x, free = env[v]
                 if _dtypes.dtype_of(x) == _dtypes.FLOAT32 and not free:
-                    with _compat.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack):
+                    with _eqn_source(eqn):
                         env[v] = (_dtypes.cast(x, ctx.compute_dtype), free)
+
+
+def _eqn_source(eqn: Any) -> Any:
+    """Bind in the equation's own source location, its name stack extending the current one
+    (as ``jax.core.eval_jaxpr`` does): inside JAX's backward pass (a ``custom_vjp`` backward
+    rule re-evaluated under the policy) the equations keep ``transpose(jvp(...))`` and the
+    scopes around the call."""
+    return _compat.user_context(
+        eqn.source_info.traceback, name_stack=_compat.current_name_stack() + eqn.source_info.name_stack
+    )
 
 
 def _eval_eqn(
@@ -277,7 +287,7 @@ def _eval_eqn(
     bound = invals
     rule = step.rule
     with (
-        _compat.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack),
+        _eqn_source(eqn),
         _compat.eqn_context(eqn),
     ):
         if step.kind == _plan.STOP:
