@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import _compat, _walk
-from . import _layout, _mask, _roles, _scores
-from ._graph import Atom, Graph
+from . import _layout, _mask, _roles, _scores, _span
+from ._graph import Graph
 from ._match import Layout, LeftAlone, Match, Operand, Program
 from ._softmax import Softmax, find_softmaxes
 
@@ -141,8 +142,8 @@ def _build(
         vv = _roles.peel(g, vp.v, scale=False, repeat=False, taken=taken)
     layout = _layout_of(g, prod, vp, qp, kp, vv, repeat)
     parts = _mask.classify(g, scores, layout)
-    out_id, out_amap, tail, q_routed = _tail(g, g.nodes[vp.node].outs[0], vp.out_amap, parts.q_len, layout)
-    layout = _replace_out(layout, out_amap)
+    out_id, out_amap, tail, q_routed = _span.tail(g, g.nodes[vp.node].outs[0], vp.out_amap, parts.q_len, layout)
+    layout = dataclasses.replace(layout, out_amap=out_amap)
     mask, const_mask = _mask.finish(parts, layout, q_routed)
     if parts.q_len is not None and not q_routed:  # an ordinary mask, then
         parts.masks.append(parts.q_len.leaf)
@@ -152,18 +153,23 @@ def _build(
     core = {prod.node, vp.node, *vp.steps, *tail, *sm.nodes, *qp.nodes, *kp.nodes, *vv.nodes}
     core.update(s.node for s in steps)
     tops = sorted({g.nodes[n].top for n in core})
-    _check_span(g, set(tops), out_id, sm)
+    _span.check(g, set(tops), out_id, sm)
 
     lengths = [ln.side for ln in (parts.kv_len, parts.q_len) if ln is not None]
-    roots = [_id(qp.src), _id(kp.src), _id(vv.src), *(s.id for s in [*parts.masks, *parts.biases, *lengths])]
-    input_ids, nodes, consts = _program(g, roots, set(tops), core)
+    roots = [
+        _span.ident(qp.src),
+        _span.ident(kp.src),
+        _span.ident(vv.src),
+        *(s.id for s in [*parts.masks, *parts.biases, *lengths]),
+    ]
+    input_ids, nodes, consts = _span.program(g, roots, set(tops), core)
     program = Program(
         input_ids,
         tuple(nodes),
         consts,
-        _id(qp.src),
-        _id(kp.src),
-        _id(vv.src),
+        _span.ident(qp.src),
+        _span.ident(kp.src),
+        _span.ident(vv.src),
         tuple(parts.masks),
         tuple(parts.biases),
         parts.kv_len.side if parts.kv_len else None,
@@ -180,9 +186,9 @@ def _build(
         eqns=tuple(tops),
         inputs=inputs,
         outputs=(g.var_of_id[out_id],),
-        q=_operand(g, qp, prod.q_map, layout, input_ids, "q"),
-        k=_operand(g, kp, prod.k_map, layout, input_ids, "k"),
-        v=_operand(g, vv, vp.v_map, layout, input_ids, "v"),
+        q=_operand(g, qp, prod.q_map, layout, input_ids),
+        k=_operand(g, kp, prod.k_map, layout, input_ids),
+        v=_operand(g, vv, vp.v_map, layout, input_ids),
         scale=scale,
         mask=mask,
         kv_heads=kv_heads,
@@ -194,12 +200,6 @@ def _build(
         layout=layout,
         program=program,
     )
-
-
-def _id(atom: Atom) -> int:
-    if not isinstance(atom, int):
-        raise _scores.Rejected("an operand of the products is a literal")
-    return atom
 
 
 def _layout_of(
@@ -241,53 +241,6 @@ def _layout_of(
     )
 
 
-def _replace_out(layout: Layout, out_amap: tuple[int, ...]) -> Layout:
-    fields = {k: getattr(layout, k) for k in layout.__dataclass_fields__}
-    fields["out_amap"] = out_amap
-    return Layout(**fields)
-
-
-def _tail(
-    g: Graph, out: int, amap: tuple[int, ...], q_len: _mask.Length | None, layout: Layout
-) -> tuple[int, tuple[int, ...], list[int], bool]:
-    """The span's output: the value product's, after the transposes only it reads, and
-    after a ``mul`` zeroing the rows past the query lengths of ``q_len`` (``jax.nn``'s XLA
-    path does that): ``(output id, its axis map, the equations after the product, whether
-    the rows are zeroed)``."""
-    tail: list[int] = []
-    cur = out
-    while True:
-        readers = g.readers.get(cur, [])
-        if len(readers) != 1 or cur in g.outside:
-            return cur, amap, tail, False
-        node = g.nodes[readers[0]]
-        if len(g.top_nodes[node.top]) != 1:
-            return cur, amap, tail, False
-        if node.name == "transpose":
-            amap = _layout.transposed(amap, node.params["permutation"])
-            tail.append(readers[0])
-            cur = node.outs[0]
-            continue
-        if q_len is not None and node.name == "mul" and g.shape(node.outs[0]) == g.shape(cur):
-            if _zeroes(g, node.ins[1 - node.ins.index(cur)], amap, q_len, layout):
-                return node.outs[0], amap, [*tail, readers[0]], True
-        return cur, amap, tail, False
-
-
-def _zeroes(g: Graph, factor: Atom, amap: tuple[int, ...], q_len: _mask.Length, layout: Layout) -> bool:
-    """Whether ``factor`` is ``convert(iota_T < n)`` for the query lengths ``q_len``."""
-    atom, famap = _mask.peel_layout(g, factor, _layout.operand(g.shape(factor), amap))
-    fnode = g.node_of(atom)
-    if fnode is None or fnode.name != "convert_element_type":
-        return False
-    atom, famap = _mask.peel_layout(g, fnode.ins[0], famap)
-    if any(m == _layout.HV and d != 1 for m, d in zip(famap, g.shape(atom))):
-        return False
-    famap = tuple(-1 if m == _layout.HV else m for m in famap)
-    found = _mask.length(g, atom, famap, True, layout)
-    return found is not None and found.axis == layout.t and found.side == q_len.side
-
-
 def _check_shapes(g: Graph, qp: _roles.Peeled, vv: _roles.Peeled, layout: Layout, max_head_dim: int) -> None:
     qh = g.shape(qp.src)[layout.q_axes[-1]]
     vh = g.shape(vv.src)[layout.v_axes[-1]]
@@ -301,49 +254,8 @@ def _check_shapes(g: Graph, qp: _roles.Peeled, vv: _roles.Peeled, layout: Layout
             raise _scores.Rejected(f"an operand of dtype {dt.name}")
 
 
-def _check_span(g: Graph, tops: set[int], out: int, sm: Softmax) -> None:
-    for t in sorted(tops):
-        for i in g.top_outs[t]:
-            if i < 0 or i == out:
-                continue
-            readers = sorted({g.nodes[r].top for r in g.readers.get(i, ())} - tops)
-            if readers or i in g.outside:
-                what = "probabilities" if t >= g.nodes[g.producer[sm.p]].top else "scores"
-                by = f"by `{_walk.label(g.jaxpr.eqns[readers[0]])}`" if readers else "returned"
-                raise _scores.Rejected(f"the {what} are also read outside the attention ({by})")
-
-
-def _program(g: Graph, roots: list[int], tops: set[int], core: set[int]) -> tuple[tuple[int, ...], list, dict]:
-    """What the call evaluates: (input ids, nodes inside the span, constant values)."""
-    inputs: list[int] = []
-    consts: dict[int, Any] = {}
-    picked: set[int] = set()
-    operands = set(roots[:3])  # q, k and v are inputs even where constant
-    stack = list(reversed(roots))
-    seen: set[int] = set()
-    while stack:
-        i = stack.pop()
-        if i in seen:
-            continue
-        seen.add(i)
-        n = g.producer.get(i)
-        if n is None or g.nodes[n].top not in tops:
-            if i not in operands and (g.known(i) or g.foldable(i)):
-                consts[i] = g.value(i)
-            elif i in g.var_of_id:
-                inputs.append(i)
-            else:
-                raise _scores.Rejected("an operand of the attention is computed where the rewrite cannot read it")
-            continue
-        if n in core:
-            raise _scores.Rejected("a mask or bias depends on the scores")
-        picked.add(n)
-        stack.extend(a for a in g.nodes[n].ins if isinstance(a, int))
-    return tuple(inputs), [g.nodes[n] for n in sorted(picked)], consts
-
-
 def _operand(
-    g: Graph, p: _roles.Peeled, score_map: tuple[int, ...], layout: Layout, input_ids: tuple[int, ...], which: str
+    g: Graph, p: _roles.Peeled, score_map: tuple[int, ...], layout: Layout, input_ids: tuple[int, ...]
 ) -> Operand:
     roles = []
     for a in p.axes:
@@ -360,7 +272,7 @@ def _operand(
             roles.append("G")
         else:
             roles.append("B")
-    src = _id(p.src)
+    src = _span.ident(p.src)
     aval = g.aval(src)
     return Operand(input_ids.index(src), tuple(aval.shape), np.dtype(aval.dtype), tuple(roles))
 
