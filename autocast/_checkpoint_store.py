@@ -40,7 +40,28 @@ _HEAD, _MID, _TAIL = b'{"sha256":"', b'","manifest":', b"}\n"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, is corrupted, or does not match its template."""
+    """A checkpoint that cannot be read, is corrupted, or does not match its template.
+
+    The message names the file and, where one is at fault, the leaf (its pytree path).
+
+    Example:
+        ```python
+        import os, tempfile
+
+        path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        autocast.save_train_state(path, {"step": 3, "w": jnp.ones(2)})
+        with open(os.path.join(path, "manifest.json"), "r+b") as f:  # damage one byte
+            f.seek(40)
+            byte = f.read(1)
+            f.seek(40)
+            f.write(bytes([byte[0] ^ 1]))
+        try:
+            autocast.restore_train_state(path, {"step": 0, "w": jnp.zeros(2)})
+            raise AssertionError("a damaged checkpoint restored")
+        except autocast.CheckpointError as e:
+            assert "manifest.json" in str(e)
+        ```
+    """
 
 
 def reached(step: str) -> None:

@@ -60,6 +60,27 @@ class Rule:
         casts_only: whether the rule changes its operands only by casting them (a narrowed
             parameter's gradient may then leave its matmul in float32, :mod:`autocast._wide`).
         name: shown by :func:`autocast.explain` and in errors.
+
+    Example:
+        ```python
+        class CountedMatmuls(autocast.Rule):
+            role = "compute"
+            casts_only = True
+            name = "counted_matmuls"
+            count = 0
+
+            def cast(self, compute_dtype, original_dtypes, invars, params, free):
+                return autocast.use_compute_precision.cast(compute_dtype, original_dtypes, invars, params, free)
+
+            def bind(self, ctx, eqn, arrived, cast, params, free):
+                type(self).count += 1
+                return None  # bound as usual
+
+
+        policy = autocast.extend_policy({jax.lax.dot_general_p: CountedMatmuls()})
+        autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+        assert CountedMatmuls.count > 0
+        ```
     """
 
     role: Role = "opaque"
