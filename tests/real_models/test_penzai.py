@@ -2,7 +2,7 @@
 Llama-like transformer family (``penzai.models.transformer.variants.llamalike_common``),
 built from a config with random parameters, in two configurations:
 
-- Llama-style: SwiGLU, grouped-query attention (two KV heads, two query heads each),
+- Llama-style (one block): SwiGLU, grouped-query attention (two KV heads, two query heads each),
   untied embeddings, global causal attention;
 - Gemma 2-style (the ``gemma2_*`` presets of ``variants/gemma.py``, tiny): GeGLU, tied and
   rescaled embeddings, post-attention and post-FFW norms, attention-logit and final-logit
@@ -68,7 +68,7 @@ def llama() -> Model:
         embedding_dim=64,
         projection_dim=16,
         mlp_hidden_dim=128,
-        num_decoder_blocks=2,
+        num_decoder_blocks=1,
         vocab_size=VOCAB,
         mlp_variant="swiglu",
         tie_embedder_and_logits=False,
@@ -96,16 +96,17 @@ def gemma2() -> Model:
     return _transformer("Gemma 2-like (penzai, tiny)", config, _TOLERANCES["gemma2"])
 
 
-# Measured (CPU, JAX 0.12, 2026-11-27, `tests/real_models/measure.py penzai`, at 7e5ce21;
-# loss relative error, gradient relative L2 error, padded / unpadded):
-#   Llama-like  float16  NaN / 2.7e-6, NaN / 1.5e-3;   bfloat16 3.7e-5 / 7.6e-5, 1.2e-2 / 1.3e-2
-#   Gemma 2     float16  NaN / 5.9e-5, NaN / 2.0e-3;   bfloat16 3.4e-4 / 1.5e-4, 1.4e-2 / 1.5e-2
-# The padded batch is NaN in float16 (loss and gradient): issue 42's bug (2), the float32
-# `masked_out_value` array (-2.38e38) becomes -inf and the fully masked query rows' softmax
-# NaN. Once fixed, the padded float16 errors are expected near the unpadded ones (as in
-# bfloat16, where padded and unpadded agree). Tolerances: 3-5x the largest measured.
+# Measured (CPU, JAX 0.12, 2026-11-27, `tests/real_models/measure.py penzai`; loss relative
+# error, gradient relative L2 error, padded / unpadded). At 7e5ce21:
+#   Llama-like  float16  2.8e-5 / 4.2e-5, NaN / 1.3e-3;  bfloat16 1.0e-4 / 2.7e-4, 9.3e-3 / 1.1e-2
+#   Gemma 2     float16  NaN / 5.8e-5, NaN / 2.0e-3;     bfloat16 3.4e-4 / 1.5e-4, 1.4e-2 / 1.5e-2
+# The padded batch's gradient (and Gemma 2's loss) is NaN in float16: issue 42's bug (2),
+# the float32 `masked_out_value` array (-2.38e38) becomes -inf and the fully masked query
+# rows' softmax NaN. With the fix in progress in the working tree (same day) the padded float16 errors
+# are those of the unpadded batch: Llama-like 2.8e-5, 1.2e-3; Gemma 2 2.7e-5, 1.7e-3.
+# Tolerances: 3-5x the largest measured.
 _TOLERANCES = {
-    "llama": {"float16": Tol(loss=2e-5, grad=6e-3), "bfloat16": Tol(loss=4e-4, grad=5e-2)},
+    "llama": {"float16": Tol(loss=2e-4, grad=5e-3), "bfloat16": Tol(loss=1e-3, grad=4e-2)},
     "gemma2": {"float16": Tol(loss=3e-4, grad=8e-3), "bfloat16": Tol(loss=1.5e-3, grad=5e-2)},
 }
 
