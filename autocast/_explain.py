@@ -54,6 +54,37 @@ def _custom_vjps(jaxpr: Any, scopes: tuple[str, ...]) -> int:
     return n
 
 
+_SUMS = frozenset({"reduce_sum", "cumsum", "reduce_window_sum", "psum", "reduce_scatter", "scatter-add", "scatter-sub"})
+_MOVES = frozenset({"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice", "copy"})
+
+
+def _float16_sums(jaxpr: Any) -> list[str]:
+    """The sums amp computes in float32 and then rounds to float16 for what reads them
+    (``source: primitive`` each): where float16's range (65,504) may be the limit."""
+    found: list[str] = []
+    open_, _ = _compat.open_and_consts(jaxpr)
+    made = {v: e for e in open_.eqns for v in e.outvars}
+
+    def sum_behind(v: Any) -> Any:
+        while v in made and made[v].primitive.name in _MOVES:
+            v = made[v].invars[0]
+        e = made.get(v)
+        return e if e is not None and e.primitive.name in _SUMS else None
+
+    for eqn in open_.eqns:
+        for sub in _walk.bodies(eqn):
+            found += _float16_sums(sub)
+        if eqn.primitive.name != "convert_element_type" or np.dtype(eqn.params["new_dtype"]) != np.float16:
+            continue
+        x = eqn.invars[0]
+        if isinstance(x, _compat.Literal) or x.aval.dtype != np.float32:
+            continue
+        e = sum_behind(x)
+        if e is not None:
+            found.append(f"{_walk.source(e.source_info)}: {e.primitive.name}")
+    return found
+
+
 def _saved(fun: Callable, args: list[Any]) -> dict[str, int] | None:
     """Bytes of the residuals ``jax.vjp`` saves, by dtype, as
     ``jax.ad_checkpoint.print_saved_residuals`` lists them: only computed values, not the
@@ -252,6 +283,14 @@ class Explanation:
                 else "as written, on residuals and cotangents as they arrive (custom_vjp_bwd='original')"
             )
             lines.append(f"custom_vjp backward rules: {vjp['count']}, run {how}")
+        sums = t.get("float16_sums") or []
+        if sums:
+            lines.append(
+                f"float16 range: {len(sums)} sum(s) computed in float32 are rounded to float16 for what reads them; "
+                "a sum beyond 65,504 becomes inf there (find_overflow names it; compute_dtype=jnp.bfloat16 has "
+                "float32's range)"
+            )
+            lines += [f"  {x}" for x in sums]
         if self.float8_matmuls:
             saved = sum(m.bytes_saved for m in self.float8_matmuls)
             lines.append(
@@ -428,6 +467,7 @@ def explain(fn: Callable, **options: Unpack[AmpKwargs]) -> Callable[..., Explana
                 "count": _custom_vjps(closed, scopes),
                 "mode": opts.custom_vjp_bwd,
             },
+            "float16_sums": sorted(set(_float16_sums(transformed))) if opts.dtype == np.float16 else [],
         }
         return Explanation(opts.dtype.name, observer.records, totals)
 

@@ -103,7 +103,22 @@ class Findings(list):
     __repr__ = __str__
 
 
-def _suggest(prim: str, kind: str, source: str, backward: bool) -> str:
+_FLOAT16_RANGE = (
+    "; float16's range is the limit here (its largest value is 65,504, where float32 holds this "
+    "value): compute_dtype=jnp.bfloat16 has float32's range"
+)
+
+
+def _suggest(prim: str, kind: str, source: str, backward: bool, dtype: str = "") -> str:
+    """The one-line suggestion of a finding; an overflow in float16 of a value float32 holds
+    also says that float16's range is the limit and points to bfloat16."""
+    text = _suggestion(prim, kind, source, backward)
+    if kind == "overflow" and dtype == "float16":
+        text += _FLOAT16_RANGE
+    return text
+
+
+def _suggestion(prim: str, kind: str, source: str, backward: bool) -> str:
     if kind == "underflow":
         if backward:
             return "gradients flush to zero: use loss scaling (autocast.DynamicScalerState) or a larger scale"
@@ -289,7 +304,9 @@ class _Checker:
                 dtype=dtype,
                 count=count,
                 backward=bool(bwd),
-                suggestion=_suggest(eqn.primitive.name, kind, src, bwd),
+                suggestion=_suggest(
+                    eqn.primitive.name, kind, src, bwd, dtype if np.isfinite([st["rmin"], st["rmax"]]).all() else ""
+                ),
             )
         )
 

@@ -121,3 +121,34 @@ def test_a_genuine_overflow_stays_visible():
     assert not np.isfinite(float(autocast.amp(loss, compute_dtype=jnp.float16)(params, x)))
     findings = autocast.find_overflow(loss, compute_dtype=jnp.float16)(params, x)
     assert any("overflow" in str(f).lower() or "inf" in str(f).lower() for f in findings), findings
+
+
+def test_find_overflow_says_when_float16_range_is_the_limit():
+    """A sum beyond 65,504 that float32 holds (a graph potential's summed features): the
+    finding points to bfloat16, which has float32's range."""
+
+    def loss(p, x):
+        feats = 20.0 * (jnp.tanh(x @ p["q"]) + 1.0)  # positive features, summed to ~1e5
+        total = jax.ops.segment_sum(feats, jnp.zeros(x.shape[0], jnp.int32), 1)  # summed in float32
+        return jnp.sum(total @ p["k"])  # the sum, beyond float16's range, read by a half matmul
+
+    params, _, _ = _inputs()
+    x = jax.random.normal(jax.random.key(5), (6000, D))
+    assert np.isfinite(float(loss(params, x)))
+    findings = autocast.find_overflow(loss, compute_dtype=jnp.float16)(params, x)
+    overflows = [f for f in findings if f.kind == "overflow"]
+    assert overflows and "bfloat16" in overflows[0].suggestion and "65,504" in overflows[0].suggestion, findings
+    assert np.isfinite(float(autocast.amp(loss, compute_dtype=jnp.bfloat16)(params, x)))
+
+
+def test_explain_lists_float32_sums_rounded_to_float16():
+    def loss(p, x):
+        total = jax.ops.segment_sum(jnp.tanh(x @ p["q"]), jnp.zeros(x.shape[0], jnp.int32), 1)
+        return jnp.sum(total @ p["k"])
+
+    params, _, _ = _inputs()
+    x = jax.random.normal(jax.random.key(5), (64, D))
+    f16 = autocast.explain(loss, compute_dtype=jnp.float16)(params, x)
+    assert any("scatter-add" in s for s in f16.totals["float16_sums"]), f16.totals["float16_sums"]
+    assert "float16 range" in str(f16) and "bfloat16" in str(f16)
+    assert autocast.explain(loss, compute_dtype=jnp.bfloat16)(params, x).totals["float16_sums"] == []
