@@ -1,9 +1,9 @@
 """jax-autocast: automatic mixed precision for JAX.
 
-``amp(fn)`` re-evaluates ``fn``'s jaxpr with per-primitive casting rules (matmuls and
+`amp(fn)` re-evaluates `fn`'s jaxpr with per-primitive casting rules (matmuls and
 convolutions in float16/bfloat16, numerically sensitive operations in float32); the loss
-scalers and scaled-gradient wrappers make float16 training safe. ``autocast.compat``
-holds drop-in versions of the jmp, MPX and jaxamp APIs; ``autocast.optim`` the
+scalers and scaled-gradient wrappers make float16 training safe. `autocast.compat`
+holds drop-in versions of the jmp, MPX and jaxamp APIs; `autocast.optim` the
 half-precision optimizer state (bfloat16 parameters and moments, stochastic rounding).
 """
 

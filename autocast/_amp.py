@@ -1,4 +1,4 @@
-"""``amp``: the automatic-mixed-precision transform."""
+"""`amp`: the automatic-mixed-precision transform."""
 
 from __future__ import annotations
 
@@ -25,15 +25,15 @@ def _is_array(x: Any) -> bool:
 def _partition(
     tree: Any, is_array: Callable[[Any], bool] = _is_array
 ) -> tuple[Any, tuple[bool, ...], list[Any], tuple[Any, ...]]:
-    """``tree``'s treedef, which leaves are arrays (traced), the array leaves and the other
-    leaves (static, as in ``equinox.filter_jit``)."""
+    """`tree`'s treedef, which leaves are arrays (traced), the array leaves and the other
+    leaves (static, as in `equinox.filter_jit`)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     mask = tuple(is_array(x) for x in leaves)
     return treedef, mask, [x for x, m in zip(leaves, mask) if m], tuple(x for x, m in zip(leaves, mask) if not m)
 
 
 def _combine(treedef: Any, mask: Sequence[bool], dynamic: Sequence[Any], static: Sequence[Any]) -> Any:
-    """The inverse of :func:`_partition`."""
+    """The inverse of `_partition`."""
     it_dyn, it_static = iter(dynamic), iter(static)
     return jax.tree_util.tree_unflatten(treedef, [next(it_dyn) if m else next(it_static) for m in mask])
 
@@ -52,7 +52,7 @@ class _Traced:
 
 
 class _AmpFunction:
-    """The callable ``amp`` returns; see :func:`amp`."""
+    """The callable `amp` returns; see `amp`."""
 
     def __init__(self, fn: Callable, options: AmpOptions):
         self.fn = fn
@@ -125,9 +125,9 @@ class _AmpFunction:
 
 
 def _as_arrays(outs: list[Any], closed: Any) -> list[Any]:
-    """Outputs that evaluating the jaxpr gives as Python or NumPy scalars (a constant ``fn``
-    returns, a literal of the jaxpr: Equinox BatchNorm's ``first_time`` flag, ``False``, in
-    the state it returns) as the arrays of their traced dtype that ``fn`` returned."""
+    """Outputs that evaluating the jaxpr gives as Python or NumPy scalars (a constant `fn`
+    returns, a literal of the jaxpr: Equinox BatchNorm's `first_time` flag, `False`, in
+    the state it returns) as the arrays of their traced dtype that `fn` returned."""
     return [
         x if _compat.is_tracer(x) or isinstance(x, jax.Array) else jnp.asarray(x, dtype=v.aval.dtype)
         for x, v in zip(outs, closed.jaxpr.outvars)
@@ -135,8 +135,8 @@ def _as_arrays(outs: list[Any], closed: Any) -> list[Any]:
 
 
 def _transform(closed: Any, scopes: tuple[str, ...], ctx: Context) -> Any:
-    """The closed jaxpr of ``closed`` re-evaluated in ``ctx`` (made by
-    :meth:`AmpOptions.context`; for ``autocast.explain``, one with an observer)."""
+    """The closed jaxpr of `closed` re-evaluated in `ctx` (made by
+    `AmpOptions.context`; for `autocast.explain`, one with an observer)."""
     jaxpr, consts = closed.jaxpr, closed.consts
     in_avals = [v.aval for v in jaxpr.invars]
     out_dtypes = [v.aval.dtype for v in jaxpr.outvars]
@@ -152,56 +152,69 @@ def _transform(closed: Any, scopes: tuple[str, ...], ctx: Context) -> Any:
 
 @takes_amp_options
 def amp(fn: Callable | None = None, **options: Unpack[AmpKwargs]) -> Any:
-    """Run ``fn`` in mixed precision.
+    """Run `fn` in mixed precision.
 
-    ``amp`` traces ``fn`` to a jaxpr over the array leaves of its arguments (other leaves,
+    `amp` traces `fn` to a jaxpr over the array leaves of its arguments (other leaves,
     such as an Equinox module's activation function, are static, as in
-    ``equinox.filter_jit``) and re-evaluates it equation by equation with the rule
-    ``amp_policy`` gives for each: by default matmuls and convolutions run in
-    ``compute_dtype``, numerically sensitive operations in float32 and everything else in
-    the dtype its inputs arrive in. The bodies of nested ``jit``, ``scan``, ``while``,
-    ``cond``, ``checkpoint``, ``custom_jvp``/``custom_vjp`` and ``shard_map`` are
-    transformed too. Outputs come back in the dtypes ``fn`` returns. Integers, booleans,
+    `equinox.filter_jit`) and re-evaluates it equation by equation with the rule
+    `amp_policy` gives for each: by default matmuls and convolutions run in
+    `compute_dtype`, numerically sensitive operations in float32 and everything else in
+    the dtype its inputs arrive in. The bodies of nested `jit`, `scan`, `while`,
+    `cond`, `checkpoint`, `custom_jvp`/`custom_vjp` and `shard_map` are
+    transformed too. Outputs come back in the dtypes `fn` returns. Integers, booleans,
     PRNG keys, float64 and complex values are never cast. Flax NNX modules among the
-    arguments (or ``fn`` itself) keep the state they update as they run (BatchNorm
+    arguments (or `fn` itself) keep the state they update as they run (BatchNorm
     statistics, RNG counters), in its own dtypes.
 
-    **Arguments:**
+    Args:
+        fn: The function. Omit it to get a decorator: `@amp(compute_dtype="bfloat16")`.
+        compute_dtype: `float16` (default), `bfloat16` or `float32` (a dtype or a string
+            such as `"bf16"`); `float32` makes `amp` an exact identity, for A/B debugging.
+        amp_policy: A mapping from primitives or `jax.named_scope` names to rules; default
+            `autocast.default_amp_policy`. See `autocast.extend_policy`.
+        remat_float32: Whether each run of float32 operations (an "island": a softmax, a
+            layer norm, GELU) is recomputed in the backward pass instead of saving its
+            float32 intermediates. `"auto"` (default): only where its float32
+            intermediates are at least 1.75 times the bytes of its float inputs (islands
+            fed by half-precision activations; not an LSTM cell that updates a float32
+            carry). `True`: every island. `False`: none. A recomputed island also
+            recomputes the matmuls that read it (their half-precision operand is not kept)
+            and a product of two activations only it reads (attention's scores before the
+            softmax: recomputed from `q` and `k`, never kept).
+        weight_grad_dtype: The dtype in which the gradient of a matmul operand narrowed
+            from float32 (a parameter) leaves the matmul, and so the dtype of every
+            reduction after it (data-parallel all-reduce, FSDP reduce-scatter, `psum`, a
+            scan's accumulation). `"float32"` (default): the half-precision matmul writes
+            a float32 result. `"compute"`: the compute dtype, halving the bytes of those
+            reductions at the cost of rounding each partial sum (FSDP2's `reduce_dtype`).
+        custom_vjp_bwd: How the backward rule of a `jax.custom_vjp` inside `fn` runs.
+            `"amp"` (default, as PyTorch's `custom_bwd`): under the forward's policy
+            (traced in the dtypes JAX would give it, then re-evaluated with the same rules
+            on the residuals and cotangents as they arrive: its matmuls in
+            `compute_dtype`, its reductions in float32), so a backward rule that
+            recomputes the forward pass (diffrax's checkpointed loops) is as fast as the
+            forward. `"original"`: called as written on the residuals and cotangents as
+            they arrive.
 
-    - ``fn``: the function. Omit it to get a decorator: ``@amp(compute_dtype="bfloat16")``.
-    - ``compute_dtype``: ``float16``, ``bfloat16`` or ``float32`` (a dtype or a string such
-      as ``"bf16"``); ``float32`` makes ``amp`` an exact identity, for A/B debugging.
-    - ``amp_policy``: a mapping from primitives or ``jax.named_scope`` names to rules;
-      default :data:`autocast.default_amp_policy`. See :func:`autocast.extend_policy`.
-    - ``remat_float32``: whether each run of float32 operations (an "island": a softmax,
-      a layer norm, GELU) is recomputed in the backward pass instead of saving its
-      float32 intermediates. ``"auto"`` (default): only where its float32 intermediates
-      are at least 1.75 times the bytes of its float inputs (islands fed by half-precision
-      activations; not an LSTM cell that updates a float32 carry). ``True``: every island. ``False``: none.
-      A recomputed island also recomputes the matmuls that read it (their half-precision
-      operand is not kept) and a product of two activations only it reads (attention's
-      scores before the softmax: recomputed from ``q`` and ``k``, never kept).
-    - ``weight_grad_dtype``: the dtype in which the gradient of a matmul operand narrowed
-      from float32 (a parameter) leaves the matmul, and so the dtype of every reduction
-      after it (data-parallel all-reduce, FSDP reduce-scatter, ``psum``, a scan's
-      accumulation). ``"float32"`` (default): the half-precision matmul writes a float32
-      result. ``"compute"``: the compute dtype, halving the bytes of those reductions at
-      the cost of rounding each partial sum (FSDP2's ``reduce_dtype``).
-    - ``custom_vjp_bwd``: how the backward rule of a ``jax.custom_vjp`` inside ``fn`` runs.
-      ``"amp"`` (default, as PyTorch's ``custom_bwd``): under the forward's policy (traced in
-      the dtypes JAX would give it, then re-evaluated with the same rules on the residuals and
-      cotangents as they arrive: its matmuls in ``compute_dtype``, its reductions in float32),
-      so a backward rule that recomputes the forward pass (diffrax's checkpointed loops) is
-      as fast as the forward. ``"original"``: called as written on the residuals and
-      cotangents as they arrive.
+    Returns:
+        A function with `fn`'s signature. Calls with the same argument structure, shapes
+            and dtypes reuse the transformed jaxpr.
 
-    **Returns:** a function with ``fn``'s signature. Calls with the same argument
-    structure, shapes and dtypes reuse the transformed jaxpr.
+    Raises:
+        TypeError: `fn` is not callable, a keyword is not one of the options above, or
+            `amp_policy` is not a mapping from primitives or scope names to rules.
+        ValueError: `compute_dtype` is not float16, bfloat16 or float32 (or one of their
+            names), or `remat_float32`, `weight_grad_dtype` or `custom_vjp_bwd` is not
+            one of the values above.
 
-    Example::
-
+    Example:
+        ```python
         loss = autocast.amp(loss_fn, compute_dtype=jnp.bfloat16)(params, batch)
+        assert loss.dtype == jnp.float32  # the dtype loss_fn returns
+        assert jnp.allclose(loss, loss_fn(params, batch), rtol=0.02)
         grads = jax.grad(autocast.amp(loss_fn))(params, batch)
+        assert grads["w1"].dtype == jnp.float32  # the parameters' dtype
+        ```
     """
     opts = AmpOptions.from_kwargs("amp", options)
     if fn is None:

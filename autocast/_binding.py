@@ -1,15 +1,15 @@
 """Binding an equation: its rule's cast, checked, and the binding that keeps gradients in float32.
 
-:func:`cast` applies an equation's rule to its operands as they arrive (switching a harmonising
+`cast` applies an equation's rule to its operands as they arrive (switching a harmonising
 rule to float32 where a concrete constant would overflow the half dtype, and saturating
-narrowed fills), and checks what the rule returned: the pair ``(operands, params)``, one
+narrowed fills), and checks what the rule returned: the pair `(operands, params)`, one
 operand per operand, only float operands changed and only to a floating dtype.
-:func:`bind` then binds the equation on what the rule returned: through the rule's own
-:meth:`autocast.Rule.bind` where it binds the equation itself; as a matmul with a float32
-result or a float32 weight gradient (:mod:`autocast._wide`); or, for an operand narrowed
+`bind` then binds the equation on what the rule returned: through the rule's own
+`autocast.Rule.bind` where it binds the equation itself; as a matmul with a float32
+result or a float32 weight gradient (`autocast._wide`); or, for an operand narrowed
 from float32 that the primitive broadcasts (a bias), broadcasting it in float32 first so
-its gradient is summed in float32 (:func:`bind_broadcast_in_float32`,
-:func:`_bind_bias_summed_apart`). :func:`out_free` says which results are free values.
+its gradient is summed in float32 (`bind_broadcast_in_float32`,
+`_bind_bias_summed_apart`). `out_free` says which results are free values.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def rule_name(rule: Any) -> str:
 
 
 def cast(ctx: Any, eqn: Any, rule: _rules.Rule, invals: list[Any], in_free: list[Any]):
-    """Apply ``rule`` to the operands of ``eqn`` as they arrive (``in_free``: their free
-    flags): ``(rule, operands, params)``, the rule being the one that applied (a harmonising
+    """Apply `rule` to the operands of `eqn` as they arrive (`in_free`: their free
+    flags): `(rule, operands, params)`, the rule being the one that applied (a harmonising
     rule switches to float32 where a concrete constant would overflow the half dtype)."""
     prim = eqn.primitive
     orig = original_dtypes(eqn)
@@ -105,10 +105,10 @@ def bind(
     widen: bool = False,
     bias_sum: bool = False,
 ) -> list[Any]:
-    """Bind ``eqn`` on the operands ``rule`` cast (``new_invals``, from ``invals`` as they
-    arrived). ``widen``: the planner lets this matmul store a float32 result (every reader
-    computes in float32); ``bias_sum``: its result is a matmul-plus-bias sum that feeds an
-    expensive function (:attr:`autocast._plan.Plan.bias_sums`)."""
+    """Bind `eqn` on the operands `rule` cast (`new_invals`, from `invals` as they
+    arrived). `widen`: the planner lets this matmul store a float32 result (every reader
+    computes in float32); `bias_sum`: its result is a matmul-plus-bias sum that feeds an
+    expensive function (`autocast._plan.Plan.bias_sums`)."""
     prim = eqn.primitive
     # A rule may bind the equation itself (a float8 matmul, a fused attention kernel): it
     # gets the operands as they arrived and as it cast them, and returns the outputs, or None
@@ -135,9 +135,9 @@ def bind(
 
 
 def _sums_in_transpose(eqn: Any, ops: Sequence[Any]) -> bool:
-    """Whether ``eqn`` moves a half-precision operand so that its derivative sums: JAX
-    transposes a broadcast into a ``reduce_sum`` over the broadcast dimensions, and a gather
-    into a ``scatter-add`` over its indices (which may repeat), in the dtype of the operand
+    """Whether `eqn` moves a half-precision operand so that its derivative sums: JAX
+    transposes a broadcast into a `reduce_sum` over the broadcast dimensions, and a gather
+    into a `scatter-add` over its indices (which may repeat), in the dtype of the operand
     as bound. In half precision those sums lose the small terms: a conditioning vector
     broadcast over 4,096 positions (3 % gradient error in bfloat16), a node's features
     gathered by 2,000 edges (80 %)."""
@@ -153,7 +153,7 @@ def _sums_in_transpose(eqn: Any, ops: Sequence[Any]) -> bool:
 
 
 def _bind_through_float32(prim: Any, ops: Sequence[Any], params: dict[str, Any]) -> list[Any]:
-    """``prim`` on its half-precision operand converted to float32, the result converted
+    """`prim` on its half-precision operand converted to float32, the result converted
     back: the same values (data movement is exact), and a derivative that sums in float32
     (the cotangent converted to float32 first, the operand's cotangent rounded once)."""
     half = _dtypes.dtype_of(ops[0])
@@ -162,7 +162,7 @@ def _bind_through_float32(prim: Any, ops: Sequence[Any], params: dict[str, Any])
 
 
 def out_free(eqn: Any, in_free: Sequence[Any], n_outs: int) -> list[Any]:
-    """The free flags of an equation's results: free (``LITERAL`` if made only from
+    """The free flags of an equation's results: free (`LITERAL` if made only from
     literals) for data movement and sums of free float operands, else False."""
     floats = [f for f, d in zip(in_free, original_dtypes(eqn)) if _dtypes.is_castable(d)]
     flag: Any = False
@@ -178,7 +178,7 @@ _SELECTING = _plan.COMMUTES_WITH_ROUNDING | {"clamp", "select_n", "max", "min", 
 
 
 def _overflowing_constant(prim: Any, invals: Sequence[Any], in_free: Sequence[Any]) -> bool:
-    """Whether a harmonised operation (``x16 * 1e5``) would narrow a concrete constant that
+    """Whether a harmonised operation (`x16 * 1e5`) would narrow a concrete constant that
     does not fit the half-precision dtype its computed operands arrive in: it then runs in
     float32, as traced, instead of turning the constant into an infinity."""
     if prim.name in _SELECTING:
@@ -200,16 +200,16 @@ def _overflowing_constant(prim: Any, invals: Sequence[Any], in_free: Sequence[An
 def _traced_fills(prim: Any, invals: Sequence[Any], in_free: Sequence[Any]) -> list[int]:
     """The float32 operands whose narrowing to half precision saturates (a finite value
     beyond the half dtype's range becomes its largest finite value, not an infinity:
-    :func:`autocast._dtypes.saturating_cast`; concrete values saturate in any case): those
+    `autocast._dtypes.saturating_cast`; concrete values saturate in any case): those
     that reach the equation traced (their value is not known here) and are
 
     - free (a function input, a closure constant, a parameter or pytree field, a literal, or
       data movement of those) and read by an operation that only selects, orders or moves
-      values (``where``, ``max``, ``clamp``, ...): a mask fill such as ``finfo(float32).min``
+      values (`where`, `max`, `clamp`, ...): a mask fill such as `finfo(float32).min`
       held in an array keeps its meaning (the most negative value), so a fully masked row
       stays finite where float32's is; a computed activation that overflows is never
-      saturated, so the overflow stays visible to a loss scaler and ``find_overflow``;
-    - made only from literals (a fill passed into a ``jit``), for any operation.
+      saturated, so the overflow stays visible to a loss scaler and `find_overflow`;
+    - made only from literals (a fill passed into a `jit`), for any operation.
     """
     return [
         i
@@ -224,7 +224,7 @@ def _traced_fills(prim: Any, invals: Sequence[Any], in_free: Sequence[Any]) -> l
 def _broadcast_candidates(
     eqn: Any, prim: Any, invals: Sequence[Any], dtypes: Sequence[Any] = (_dtypes.FLOAT32,)
 ) -> list[int]:
-    """Operands of ``dtypes`` (traced: they may get a gradient) that ``eqn`` broadcasts."""
+    """Operands of `dtypes` (traced: they may get a gradient) that `eqn` broadcasts."""
     if prim.name not in _IMPLICIT_BROADCAST or len(eqn.outvars) != 1:
         return []
     out_shape = tuple(eqn.outvars[0].aval.shape)
@@ -245,10 +245,10 @@ def _broadcast_cast(x: Any, eqn: Any, dtype: Any) -> Any:
 
 
 def _float32_broadcasts_ahead(eqn: Any, prim: Any, invals: Sequence[Any]) -> list[tuple[int, Any]]:
-    """For an operation linear in its operands (``x16 + bias32``): the broadcast operands
+    """For an operation linear in its operands (`x16 + bias32`): the broadcast operands
     whose narrowing is predictable (the other float operands share one half dtype), with
     that dtype. The rule's cast of them then broadcasts in float32 first (no dead convert
-    left behind); see :func:`bind_broadcast_in_float32` for the rest."""
+    left behind); see `bind_broadcast_in_float32` for the rest."""
     if prim.name not in _LINEAR_BROADCAST:
         return []
     cands = _broadcast_candidates(eqn, prim, invals)
@@ -265,16 +265,16 @@ def bind_broadcast_in_float32(
     eqn: Any, prim: Any, invals: list[Any], new_invals: list[Any], params: dict[str, Any]
 ) -> list[Any]:
     """Bind, broadcasting in float32 the operands that the rule narrowed from float32 and
-    that the primitive broadcasts (a bias ``(1, C)`` added to ``(N, C)`` activations), and
+    that the primitive broadcasts (a bias `(1, C)` added to `(N, C)` activations), and
     those that arrive in half precision (a conditioning vector added at every position).
 
     Casting first and broadcasting in half precision would make the gradient of such an
     operand (JAX's transpose of the broadcast: a sum over the broadcast axes, thousands of
     terms for a bias) a half-precision reduction. Broadcast-then-cast is the same forward
-    value, and its transpose is ``convert`` to float32 followed by ``reduce_sum`` in
+    value, and its transpose is `convert` to float32 followed by `reduce_sum` in
     float32, which XLA fuses (no float32 activation-sized buffer). For a primitive that is
-    not linear in the operand (``x * scale``) the broadcast is recomputed in the backward
-    pass (``jax.checkpoint``) rather than saved as an activation-sized residual.
+    not linear in the operand (`x * scale`) the broadcast is recomputed in the backward
+    pass (`jax.checkpoint`) rather than saved as an activation-sized residual.
     """
     widen = [
         i
@@ -302,9 +302,10 @@ def bind_broadcast_in_float32(
 def _bias_into_float32(
     eqn: Any, prim: Any, invals: Sequence[Any], new_invals: Sequence[Any], in_free: Sequence[Any], half: Any
 ) -> list[int]:
-    """For ``x @ w + bias32`` bound in float32 before an expensive elementwise function
-    (GELU's ``tanh``: the planner's ``bias_sums``; the caller checks that): the broadcast float32 operands that are
-    parameters or inputs (free, traced). See :func:`_bind_bias_summed_apart`."""
+    """For `x @ w + bias32` bound in float32 before an expensive elementwise function
+    (GELU's `tanh`: the planner's `bias_sums`; the caller checks that): the broadcast
+    float32 operands that are parameters or inputs (free, traced). See
+    `_bind_bias_summed_apart`."""
     if half not in _dtypes.HALF or not eqn.outvars:
         return []
     if any(_dtype_or_none(x) != _dtypes.FLOAT32 for x in new_invals):
@@ -315,17 +316,17 @@ def _bias_into_float32(
 def _bind_bias_summed_apart(
     eqn: Any, prim: Any, new_invals: list[Any], params: dict[str, Any], summed: Sequence[int], half: Any
 ) -> list[Any]:
-    """Bind ``x16 + bias32`` in float32 with the bias broadcast first, its gradient (JAX's
+    """Bind `x16 + bias32` in float32 with the bias broadcast first, its gradient (JAX's
     transpose of the broadcast) summed in float32 from the cotangent rounded to the half
-    dtype behind an optimisation barrier (:func:`_rounded_cotangent`).
+    dtype behind an optimisation barrier (`_rounded_cotangent`).
 
     The values are those of the float32 sum. The bias gradient is the sum of the cotangent
-    that the half operand receives anyway (``x16``'s, rounded once, as the weight gradient
-    of the matmul that made ``x16`` reads it), in a kernel of its own. Summed from the
+    that the half operand receives anyway (`x16`'s, rounded once, as the weight gradient
+    of the matmul that made `x16` reads it), in a kernel of its own. Summed from the
     float32 cotangent instead, the reduction is fused into the kernel that computes the
     island's backward pass, and XLA:GPU does not fuse an expensive float32 producer (GELU's
-    recomputed ``tanh``) into a reduction: the float32 ``tanh`` is written to memory and
-    read back (issue 28; ``tests/test_islands.py``)."""
+    recomputed `tanh`) into a reduction: the float32 `tanh` is written to memory and
+    read back (issue 28; `tests/test_islands.py`)."""
     out_shape = tuple(eqn.outvars[0].aval.shape)
     ops = list(new_invals)
     for i in summed:
@@ -336,7 +337,7 @@ def _bind_bias_summed_apart(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _rounded_cotangent(x: Any, half: str) -> Any:
-    """The identity, whose cotangent is rounded to ``half`` (and converted back) behind an
+    """The identity, whose cotangent is rounded to `half` (and converted back) behind an
     optimisation barrier: XLA cannot fuse what reads it with what made it."""
     return x
 
@@ -354,7 +355,7 @@ _rounded_cotangent.defvjp(_rounded_cotangent_fwd, _rounded_cotangent_bwd)
 
 
 def _describe(x: Any) -> str:
-    """``a tuple of 2 arrays (float16[3], float16[3])``: what a rule returned, for errors."""
+    """`a tuple of 2 arrays (float16[3], float16[3])`: what a rule returned, for errors."""
     if isinstance(x, (tuple, list)):
         inner = ", ".join(_describe_leaf(v) for v in x[:4]) + (", ..." if len(x) > 4 else "")
         return f"a {type(x).__name__} of {len(x)} ({inner})"

@@ -145,29 +145,34 @@ def save_train_state(path: str | os.PathLike, state: Any, *, overwrite: bool = F
     at any moment leaves the old or the new checkpoint, never neither, and the next save
     removes what it left.
 
-    **Arguments:**
+    Args:
+        path: The checkpoint directory (created; it must not exist unless `overwrite`).
+        state: The train state, e.g. `(model, opt_state, scaler_state, key, step)`.
+        overwrite: Replace an existing checkpoint at `path` (a directory that is not a
+            checkpoint is never replaced).
 
-    - `path`: the checkpoint directory (created; it must not exist unless `overwrite`).
-    - `state`: the train state, e.g. `(model, opt_state, scaler_state, key, step)`.
-    - `overwrite`: replace an existing checkpoint at `path` (a directory that is not a
-      checkpoint is never replaced).
+    Returns:
+        None.
 
-    **Returns:** None.
-
-    **Raises:** `FileExistsError` if `path` exists (and `overwrite` is False, or it is not a
-    checkpoint); `TypeError` for a bad argument or a traced or shape-only leaf in `state`.
+    Raises:
+        FileExistsError: A checkpoint exists at `path` and `overwrite` is False, or `path`
+            exists and is not a checkpoint (then `overwrite` does not replace it).
+        NotADirectoryError: `path` is a file.
+        TypeError: `path` is not a `str` or `os.PathLike`, `overwrite` is not a bool, or a
+            leaf of `state` is traced (inside `jit`/`grad`/`vmap`) or shape-only.
+        ValueError: `path` is empty or names no directory (`"."`, `".."`).
+        ImportError: `state` has array leaves and orbax-checkpoint is not installed.
 
     Example:
+        ```python
+        import tempfile
 
-    ```python
-    import tempfile
-
-    state = {"params": params, "opt_state": opt_state, "scaler": autocast.DynamicScalerState(), "key": jax.random.key(0)}
-    path = tempfile.mkdtemp() + "/step_100"
-    autocast.save_train_state(path, state)
-    restored = autocast.restore_train_state(path, like=state)
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), restored["params"], state["params"]))
-    ```
+        state = {"params": params, "opt_state": opt_state, "scaler": autocast.DynamicScalerState(), "key": jax.random.key(0)}
+        path = tempfile.mkdtemp() + "/step_100"
+        autocast.save_train_state(path, state)
+        restored = autocast.restore_train_state(path, like=state)
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), restored["params"], state["params"]))
+        ```
     """
     path = _as_path(path, "save_train_state")
     if not isinstance(overwrite, bool):
@@ -315,37 +320,41 @@ def restore_train_state(path: str | os.PathLike, like: Any) -> Any:
     configuration, come from `like`. If a save to `path` was killed between its two
     renames, the newest complete copy it left is read.
 
-    **Arguments:**
+    Args:
+        path: The checkpoint directory.
+        like: A train state of the same structure, dtypes and shapes: a freshly
+            initialised one, or a shape-only one (`jax.eval_shape` or `eqx.filter_eval_shape`
+            of its constructor, `jax.ShapeDtypeStruct` leaves; typed PRNG keys included). A
+            Python number that `jax.eval_shape` turned into a weakly typed scalar is restored
+            as the saved Python number.
 
-    - `path`: the checkpoint directory.
-    - `like`: a train state of the same structure, dtypes and shapes: a freshly
-      initialised one, or a shape-only one (`jax.eval_shape` or `eqx.filter_eval_shape`
-      of its constructor, `jax.ShapeDtypeStruct` leaves; typed PRNG keys included). A
-      Python number that `jax.eval_shape` turned into a weakly typed scalar is restored
-      as the saved Python number.
+    Returns:
+        The restored train state, with `like`'s tree structure.
 
-    **Returns:** the restored train state, with `like`'s tree structure.
-
-    **Raises:** `FileNotFoundError` if there is no checkpoint at `path`; a `ValueError`
-    (`CheckpointError`) naming the leaf that differs from `like`, or the file and leaf
-    that fail their hash.
+    Raises:
+        FileNotFoundError: There is no checkpoint at `path`.
+        NotADirectoryError: `path` is a file.
+        CheckpointError: A leaf differs from `like` (the error names it), or a file, an
+            array or the manifest fails its hash or cannot be read (the error names the
+            file and, where it can tell, the leaf). A subclass of `ValueError`.
+        TypeError: `path` is not a `str` or `os.PathLike`.
+        ValueError: `path` is empty or names no directory (`"."`, `".."`).
 
     Example:
+        ```python
+        import tempfile
 
-    ```python
-    import tempfile
-
-    path = tempfile.mkdtemp() + "/ckpt"
-    autocast.save_train_state(path, {"params": params, "key": jax.random.key(1), "step": 3})
-    try:  # a bfloat16 template for a float32 checkpoint: an error, no silent cast
-        half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
-        autocast.restore_train_state(path, {"params": half, "key": jax.random.key(0), "step": 0})
-    except ValueError as e:
-        error = str(e)
-    assert "leaf `['params']['w1']` is float32[4, 16] in the checkpoint" in error
-    like = jax.eval_shape(lambda: {"params": params, "key": jax.random.key(0), "step": 0})  # shapes only
-    assert autocast.restore_train_state(path, like)["step"] == 3
-    ```
+        path = tempfile.mkdtemp() + "/ckpt"
+        autocast.save_train_state(path, {"params": params, "key": jax.random.key(1), "step": 3})
+        try:  # a bfloat16 template for a float32 checkpoint: an error, no silent cast
+            half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+            autocast.restore_train_state(path, {"params": half, "key": jax.random.key(0), "step": 0})
+        except ValueError as e:
+            error = str(e)
+        assert "leaf `['params']['w1']` is float32[4, 16] in the checkpoint" in error
+        like = jax.eval_shape(lambda: {"params": params, "key": jax.random.key(0), "step": 0})  # shapes only
+        assert autocast.restore_train_state(path, like)["step"] == 3
+        ```
     """
     path = _as_path(path, "restore_train_state")
     root = _store.locate(path, "restore_train_state")

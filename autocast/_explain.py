@@ -1,4 +1,4 @@
-"""``autocast.explain``: what ran in which dtype, why, and what it costs (trace only)."""
+"""`autocast.explain`: what ran in which dtype, why, and what it costs (trace only)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _costs(closed: Any) -> tuple[dict[str, int], dict[str, int], int]:
 
 
 def _custom_vjps(jaxpr: Any, scopes: tuple[str, ...]) -> int:
-    """How many ``custom_vjp`` equations ``jaxpr`` holds at any depth, outside ``amp_stop``."""
+    """How many `custom_vjp` equations `jaxpr` holds at any depth, outside `amp_stop`."""
     open_, _ = _compat.open_and_consts(jaxpr)
     n = 0
     for eqn in open_.eqns:
@@ -60,7 +60,7 @@ _MOVES = frozenset({"reshape", "broadcast_in_dim", "transpose", "squeeze", "expa
 
 def _float16_sums(jaxpr: Any) -> list[str]:
     """The sums amp computes in float32 and then rounds to float16 for what reads them
-    (``source: primitive`` each): where float16's range (65,504) may be the limit."""
+    (`source: primitive` each): where float16's range (65,504) may be the limit."""
     found: list[str] = []
     open_, _ = _compat.open_and_consts(jaxpr)
     made = {v: e for e in open_.eqns for v in e.outvars}
@@ -86,10 +86,10 @@ def _float16_sums(jaxpr: Any) -> list[str]:
 
 
 def _saved(fun: Callable, args: list[Any]) -> dict[str, int] | None:
-    """Bytes of the residuals ``jax.vjp`` saves, by dtype, as
-    ``jax.ad_checkpoint.print_saved_residuals`` lists them: only computed values, not the
+    """Bytes of the residuals `jax.vjp` saves, by dtype, as
+    `jax.ad_checkpoint.print_saved_residuals` lists them: only computed values, not the
     arguments, constants and literals (already in memory). None where JAX cannot
-    differentiate ``fun`` (a forward-only construct such as ``Scan3``)."""
+    differentiate `fun` (a forward-only construct such as `Scan3`)."""
     out: dict[str, int] = {}
     try:
         residuals = _compat.saved_residuals(fun, *args)
@@ -104,13 +104,13 @@ def _saved(fun: Callable, args: list[Any]) -> dict[str, int] | None:
 
 BACKWARD = "jit(autocast_backward)"
 """How the backward pass explain and find_overflow trace shows in a nesting path
-(``_walk.label``): one ``jit`` call holding every equation of it (transposes, ``custom_vjp``
+(`_walk.label`): one `jit` call holding every equation of it (transposes, `custom_vjp`
 backward rules, recomputations), whatever their name stacks say."""
 
 
 def gradients(fun: Callable, args: list[Any], idx: list[int], cotangents: Callable[[Any], Any]) -> tuple[Any, Any]:
-    """``(fun(*args), gradients)``: the gradients with respect to ``args[i]`` for ``i`` in
-    ``idx``, from ``cotangents(outputs)``, traced as the call :data:`BACKWARD`."""
+    """`(fun(*args), gradients)`: the gradients with respect to `args[i]` for `i` in
+    `idx`, from `cotangents(outputs)`, traced as the call `BACKWARD`."""
 
     def of_idx(*floats: Any) -> Any:
         full = list(args)
@@ -127,12 +127,12 @@ def gradients(fun: Callable, args: list[Any], idx: list[int], cotangents: Callab
 
 
 def _backward_matmuls(fun: Callable, args: list[Any]) -> dict[str, int] | None:
-    """Bytes the matmuls and convolutions of ``fun``'s backward pass write, by result
-    dtype: the weight gradients (float32 under ``weight_grad_dtype="float32"``), the
-    activation gradients, matmuls a ``custom_vjp`` backward rule or a recomputation runs.
-    ``fun`` is differentiated with respect to its floating arguments, from a cotangent of
+    """Bytes the matmuls and convolutions of `fun`'s backward pass write, by result
+    dtype: the weight gradients (float32 under `weight_grad_dtype="float32"`), the
+    activation gradients, matmuls a `custom_vjp` backward rule or a recomputation runs.
+    `fun` is differentiated with respect to its floating arguments, from a cotangent of
     ones for each floating output; None where JAX cannot transpose it (a forward-only
-    construct such as ``Scan3``, a ``while_loop``)."""
+    construct such as `Scan3`, a `while_loop`)."""
     idx = [i for i, x in enumerate(args) if _dtypes.is_floating(_dtypes.dtype_of(x))]
 
     def floats_out(*a: Any) -> list[Any]:
@@ -164,17 +164,18 @@ def _as_dict(m: Any) -> dict[str, Any]:
 
 
 class Explanation:
-    """What ``amp`` does to a function: see :func:`autocast.explain`.
+    """What `amp` does to a function: made by `autocast.explain`, which says what it holds.
 
-    Attributes: ``rows`` (one per group of equations), ``totals``, ``float32_matmuls``,
-    ``float8_matmuls`` and ``float8_declined`` (the float8 rule's decisions, with reasons),
-    ``compute_dtype``. ``print(explanation)`` shows a table (``rich`` when installed).
+    Read its attributes `rows` (one per group of equations), `totals`, `float32_matmuls`,
+    `float8_matmuls` and `float8_declined` (the float8 rule's decisions, with reasons) and
+    `compute_dtype`. `print(explanation)` shows a table (`rich` when installed).
 
-    Example::
-
+    Example:
+        ```python
         report = autocast.explain(loss_fn)(params, batch)
         assert isinstance(report, autocast.Explanation) and not report.float32_matmuls
         table = report.to_markdown()
+        ```
     """
 
     def __init__(self, compute_dtype: str, records: list[Record], totals: dict[str, Any]):
@@ -207,7 +208,7 @@ class Explanation:
             if r.primitive in _walk.MATMULS and r.after and r.after[0] != _walk.dtype_name(half) and not r.float8
         ]
         """Every matmul / convolution (any depth) whose operands are not in the compute dtype
-        (float8 matmuls excepted: see ``float8_matmuls``)."""
+        (float8 matmuls excepted: see `float8_matmuls`)."""
         self.float8_matmuls: list[Float8Matmul] = [
             Float8Matmul(
                 r.shapes,
@@ -234,8 +235,8 @@ class Explanation:
     # --- output ------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict: ``compute_dtype``, ``rows``, ``totals``, ``float8_matmuls``,
-        ``float8_declined``, ``float32_matmuls``."""
+        """A JSON-serialisable dict: `compute_dtype`, `rows`, `totals`, `float8_matmuls`,
+        `float8_declined`, `float32_matmuls`."""
         return {
             "compute_dtype": self.compute_dtype,
             "rows": [dict(r) for r in self.rows],
@@ -385,8 +386,8 @@ def _by_dtype(d: dict[str, int] | None, fmt: Callable[[int], str]) -> str:
 
 
 def _flat(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, list[Any]]:
-    """``fn`` as a function of its arguments' array leaves (other leaves are static); a
-    ``jax.ShapeDtypeStruct`` leaf stands for an array (``eqx.filter_eval_shape``'s output:
+    """`fn` as a function of its arguments' array leaves (other leaves are static); a
+    `jax.ShapeDtypeStruct` leaf stands for an array (`eqx.filter_eval_shape`'s output:
     a model explained from its shapes, never made)."""
     treedef, mask, dynamic, static = _partition(
         (args, kwargs), lambda x: _is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
@@ -408,30 +409,53 @@ def _check_fn(name: str, fn: Any) -> None:
 
 @takes_amp_options
 def explain(fn: Callable, **options: Unpack[AmpKwargs]) -> Callable[..., Explanation]:
-    """Show what :func:`autocast.amp` does to ``fn``: which rule each operation gets and
-    why, the dtypes it runs in, and what that costs, without running anything (trace only).
+    """Show what `autocast.amp` does to `fn`: which rule each operation gets and why, the
+    dtypes it runs in, and what that costs, without running anything (trace only).
 
-    **Arguments:** ``fn`` and every option of :func:`autocast.amp` (``compute_dtype``,
-    ``amp_policy``, ``remat_float32``, ...), with the same defaults: the report is of the
-    program ``amp(fn, **options)`` makes.
+    `explain` takes `fn` and every option of `autocast.amp`, with the same defaults: the
+    report is of the program `amp(fn, **options)` makes.
 
-    **Returns:** a function that takes ``fn``'s arguments (arrays, or
-    ``jax.ShapeDtypeStruct`` leaves: a model explained from its shapes) and returns an
-    :class:`Explanation`: ``print`` it for a table grouped by named scope and primitive
-    (count, operand dtypes before → after the rule, result dtype, rule, why), read
-    ``.totals`` (by dtype, beside the float32 original's: matmul FLOPs, intermediate bytes,
-    bytes saved for the backward pass and bytes the backward pass's matmuls write, the
-    weight gradients among them, the last two None where JAX cannot differentiate ``fn``;
-    casts inserted; float32 islands and how many are recomputed; ``custom_vjp_bwd``: how
-    many ``custom_vjp`` backward rules the program holds and how they run) and
-    ``.float32_matmuls`` (each matmul/convolution not in the compute dtype, with its
-    source line), or export ``.to_dict()`` / ``.to_markdown()``.
+    Args:
+        fn: The function, as `autocast.amp` takes it.
+        compute_dtype: `float16` (default), `bfloat16` or `float32` (a dtype or a string
+            such as `"bf16"`).
+        amp_policy: A mapping from primitives or `jax.named_scope` names to rules;
+            default `autocast.default_amp_policy`.
+        remat_float32: Which float32 islands are recomputed in the backward pass: `"auto"`
+            (default), `True` (every island) or `False` (none); the totals count them, and
+            the bytes saved for the backward pass change with it.
+        weight_grad_dtype: The dtype the matmuls computing weight gradients write:
+            `"float32"` (default) or `"compute"` (see `totals["backward_matmul_bytes"]`).
+        custom_vjp_bwd: How the backward rules of `jax.custom_vjp` functions run: `"amp"`
+            (default, under the policy) or `"original"` (as written); the totals say how
+            many there are and how they run.
 
-    Example::
+    Returns:
+        A function that takes `fn`'s arguments (arrays, or `jax.ShapeDtypeStruct` leaves:
+            a model explained from its shapes) and returns an `Explanation`: `print` it for
+            a table grouped by named scope and primitive (count, operand dtypes before →
+            after the rule, result dtype, rule, why), read `.totals` (by dtype, beside the
+            float32 original's: matmul FLOPs, intermediate bytes, bytes saved for the
+            backward pass and bytes the backward pass's matmuls write, the weight gradients
+            among them, the last two None where JAX cannot differentiate `fn`; casts
+            inserted; float32 islands and how many are recomputed; `custom_vjp_bwd`: how
+            many `custom_vjp` backward rules the program holds and how they run;
+            `float16_sums`: with float16, the sums computed in float32 and rounded to
+            float16 for what reads them) and `.float32_matmuls` (each matmul/convolution
+            not in the compute dtype, with its source line), or export `.to_dict()` /
+            `.to_markdown()`.
 
+    Raises:
+        TypeError: `fn` is not callable, a keyword is not an option of `autocast.amp`, or
+            `amp_policy` is not a mapping from primitives or scope names to rules.
+        ValueError: An option has a value `autocast.amp` does not allow.
+
+    Example:
+        ```python
         report = autocast.explain(loss_fn)(params, batch)
         print(report)
         assert not report.float32_matmuls
+        ```
     """
     _check_fn("explain", fn)
     opts = AmpOptions.from_kwargs("explain", options)

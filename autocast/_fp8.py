@@ -1,41 +1,42 @@
-"""float8 matmuls: a policy rule that runs eligible ``dot_general`` s as scaled float8 products.
+"""float8 matmuls: a policy rule that runs eligible `dot_general`s as scaled float8 products.
 
-The rule (categories ``fp8`` and ``fp8_any`` of a policy table; ``policies/fp8.toml``) plans
-like :func:`autocast.use_compute_precision` (a :class:`autocast.Rule` of role ``"compute"``)
-and binds an eligible ``dot_general`` itself (``Rule.bind``) as :func:`fp8_dot_general`:
+The rule (categories `fp8` and `fp8_any` of a policy table; `policies/fp8.toml`) plans
+like `autocast.use_compute_precision` (an `autocast.Rule` of role `"compute"`)
+and binds an eligible `dot_general` itself (`Rule.bind`) as `fp8_dot_general`:
 
-- forward: each operand quantized to ``float8_e4m3fn`` with its own per-tensor *current*
-  scale (``amax / fp8 max``, amax in float32; q 0 where amax is 0; values clipped before the
+- forward: each operand quantized to `float8_e4m3fn` with its own per-tensor *current*
+  scale (`amax / fp8 max`, amax in float32; q 0 where amax is 0; values clipped before the
   cast); a parameter or input as it arrives, a computed operand from the compute-dtype
   value the matmul it replaces would read (so a float32 producer writes half precision
-  for the amax and quantizing kernels); viewed as ``[batch, rows, contracted]``
-  (contracted dimension minor, the layout cuBLASLt's float8 GEMMs read), the fp8 operands passed to ``lax.dot_general`` with the
-  compute dtype as ``preferred_element_type`` (float32 accumulation) and the product
-  multiplied by ``c * amax_x * amax_w`` (the form XLA-GPU rewrites into one cuBLASLt fp8
-  GEMM, the amaxes its scale operands);
-- backward (``custom_vjp``): the cotangent quantized to ``float8_e5m2`` with its own
+  for the amax and quantizing kernels); viewed as `[batch, rows, contracted]`
+  (contracted dimension minor, the layout cuBLASLt's float8 GEMMs read), the fp8 operands
+  passed to `lax.dot_general` with the compute dtype as `preferred_element_type` (float32
+  accumulation) and the product multiplied by `c * amax_x * amax_w` (the form XLA-GPU
+  rewrites into one cuBLASLt fp8 GEMM, the amaxes its scale operands);
+- backward (`custom_vjp`): the cotangent quantized to `float8_e5m2` with its own
   scale (padded with zeros to a multiple of 16 first where it is not: both of its float8
   layouts then come from one kernel); both transposed products in fp8 (e5m2 x e4m3) with
-  float32 accumulation; each operand's gradient in the dtype the operand arrived in (a float32 parameter gets a
-  float32 gradient, no half-precision rounding; the rule rounds a computed activation's
-  gradient to the compute dtype first, as the compute-dtype matmul it replaces does). The residuals are the amaxes and, per
-  operand, the operand itself where it costs nothing to keep (a parameter or input, or a
-  value an enclosing autocast checkpoint recomputes), quantized again in the backward pass
-  with the forward's amax; else its float8 value in the layout the backward product reads.
+  float32 accumulation; each operand's gradient in the dtype the operand arrived in (a
+  float32 parameter gets a float32 gradient, no half-precision rounding; the rule rounds a
+  computed activation's gradient to the compute dtype first, as the compute-dtype matmul
+  it replaces does). The residuals are the amaxes and, per operand, the operand itself
+  where it costs nothing to keep (a parameter or input, or a value an enclosing autocast
+  checkpoint recomputes), quantized again in the backward pass with the forward's amax;
+  else its float8 value in the layout the backward product reads.
 
 A non-finite operand or cotangent makes its scale non-finite, and the product (then the
-gradient) non-finite: overflow is never hidden from a loss scaler or ``find_overflow``.
+gradient) non-finite: overflow is never hidden from a loss scaler or `find_overflow`.
 
-Eligible: a ``dot_general`` of two float operands whose GEMM dimensions (M, N and K:
+Eligible: a `dot_general` of two float operands whose GEMM dimensions (M, N and K:
 the rows, the columns and the contracted size, batch dimensions aside) are all at least
-``min_dim`` (small ones, e.g. a 10-class head or a 4-pixel patch embedding, stay in the
-compute dtype). With ``activations=False`` (category ``fp8``) at least one operand must be
+`min_dim` (small ones, e.g. a 10-class head or a 4-pixel patch embedding, stay in the
+compute dtype). With `activations=False` (category `fp8`) at least one operand must be
 a free value (a parameter, an input or a constant, as the interpreter tracks them): a
 product of two computed activations (attention's scores and values) stays in the compute
-dtype unless a named scope maps it to ``fp8_any``. And with a ``target`` (default ``"h100"``)
+dtype unless a named scope maps it to `fp8_any`. And with a `target` (default `"h100"`)
 only where float8 pays: its train-step GEMMs and quantisation modeled faster than the
-compute dtype's GEMMs on that GPU (:mod:`autocast._fp8_cost`); small and memory-bound GEMMs
-stay in the compute dtype. ``autocast.explain`` says, per matmul, which way it went and why.
+compute dtype's GEMMs on that GPU (`autocast._fp8_cost`); small and memory-bound GEMMs
+stay in the compute dtype. `autocast.explain` says, per matmul, which way it went and why.
 """
 
 from __future__ import annotations
@@ -57,36 +58,36 @@ E5M2 = np.dtype(jnp.float8_e5m2)
 FP8_DTYPES = frozenset({E4M3, E5M2})
 
 MIN_DIM = 16
-"""Default: a ``dot_general`` runs in float8 only if its M, N and K are all at least this."""
+"""Default: a `dot_general` runs in float8 only if its M, N and K are all at least this."""
 
 
 def _recomputed(ctx: Any, var: Any) -> bool:
-    """Whether the backward pass has operand ``var`` at no cost: recomputed by the enclosing
-    autocast checkpoint (``ctx.checkpoint_saved``: the values it saves; None outside one)."""
+    """Whether the backward pass has operand `var` at no cost: recomputed by the enclosing
+    autocast checkpoint (`ctx.checkpoint_saved`: the values it saves; None outside one)."""
     saved = getattr(ctx, "checkpoint_saved", None)
     return saved is not None and (isinstance(var, _compat.Literal) or var not in saved)
 
 
 def quantize(x: Any, dtype: Any = E4M3) -> tuple[jax.Array, jax.Array]:
-    """Per-tensor current scaling: ``(q, scale)`` with ``q = clip(x / scale)`` in ``dtype``.
+    """Per-tensor current scaling: `(q, scale)` with `q = clip(x / scale)` in `dtype`.
 
-    ``scale = amax(|x|) / max(dtype)`` computed in float32 (0, and q 0, where amax is 0). An inf or
-    NaN in ``x`` gives a non-finite scale (inf or NaN), so whatever is computed from ``q``
-    and ``scale`` is non-finite too.
+    `scale = amax(|x|) / max(dtype)` computed in float32 (0, and q 0, where amax is 0). An inf or
+    NaN in `x` gives a non-finite scale (inf or NaN), so whatever is computed from `q`
+    and `scale` is non-finite too.
     """
     q, amax = _quantize(x, dtype)
     return q, amax / float(jnp.finfo(np.dtype(dtype)).max)
 
 
 def _quantize(x: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """``(q, amax)``: the scale's scalar arithmetic is left to the consumers (XLA fuses it
+    """`(q, amax)`: the scale's scalar arithmetic is left to the consumers (XLA fuses it
     into the quantising and the GEMM-epilogue kernels instead of launching one per scalar)."""
     amax = jnp.max(jnp.abs(_widen(x)))
     return _quantize_with(x, amax, dtype), amax
 
 
 def _quantize_with(x: Any, amax: Any, dtype: Any) -> jax.Array:
-    """``x`` in float8 ``dtype`` scaled by a known ``amax`` (the backward pass quantises an
+    """`x` in float8 `dtype` scaled by a known `amax` (the backward pass quantises an
     operand again with the amax its forward pass found: the same float8 values)."""
     dtype = np.dtype(dtype)
     fmax = float(jnp.finfo(dtype).max)
@@ -95,9 +96,9 @@ def _quantize_with(x: Any, amax: Any, dtype: Any) -> jax.Array:
 
 
 def _widen(x: Any) -> jax.Array:
-    """``x`` in float32. A bfloat16 ``x`` is widened through its bits (exact: bfloat16 is
+    """`x` in float32. A bfloat16 `x` is widened through its bits (exact: bfloat16 is
     float32's upper half), which XLA cannot fold with the conversion that rounded it to
-    bfloat16 (``xla_allow_excess_precision``): the producer then writes bfloat16, and the
+    bfloat16 (`xla_allow_excess_precision`): the producer then writes bfloat16, and the
     amax and the float8 values are those of the bfloat16 operand the matmul stands for."""
     if _dtypes.dtype_of(x) != np.dtype(jnp.bfloat16):
         return lax.convert_element_type(x, np.float32)
@@ -111,7 +112,7 @@ def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
 
 
 class _Canon:
-    """An operand's view as ``[B, R, C]`` (batch, kept, contracted; ``[R, C]`` without batch
+    """An operand's view as `[B, R, C]` (batch, kept, contracted; `[R, C]` without batch
     dimensions): the layout cuBLASLt's float8 GEMMs read without a transpose (contracted
     dimension minor), and the way back to the operand's own dimensions."""
 
@@ -131,14 +132,14 @@ class _Canon:
         return x.reshape(self.shape)
 
     def back(self, x):
-        """``[B, R, C]`` -> the operand's dimensions."""
+        """`[B, R, C]` -> the operand's dimensions."""
         x = x.reshape(self.permuted)
         return lax.transpose(x, self.inverse) if self.inverse != tuple(range(len(self.inverse))) else x
 
 
 def _gemm(a, b, sa, sb, c, dtype):
-    """``a [B, R, K] x b [B, S, K] -> [B, R, S]`` times ``c * sa * sb`` in ``dtype`` (float32
-    accumulation; contracted dimensions minor). The GEMM writes ``dtype`` itself. The scales
+    """`a [B, R, K] x b [B, S, K] -> [B, R, S]` times `c * sa * sb` in `dtype` (float32
+    accumulation; contracted dimensions minor). The GEMM writes `dtype` itself. The scales
     are the operands' amaxes as the reductions wrote them and a constant: in cuBLAS mode
     XLA passes them to cuBLASLt as they are, with no kernel to multiply two scalars first."""
     batch = ((0,), (0,)) if a.ndim == 3 else ((), ())
@@ -152,7 +153,7 @@ cotangent to it (XLA:GPU pads a float8 operand that is not, in a copy of its own
 
 
 def _pad(x, rows: int, cols: int):
-    """``x`` with ``rows`` and ``cols`` zeros after its last two dimensions (none: ``x``)."""
+    """`x` with `rows` and `cols` zeros after its last two dimensions (none: `x`)."""
     if not rows and not cols:
         return x
     return lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] * (x.ndim - 2) + [(0, rows, 0), (0, cols, 0)])
@@ -179,7 +180,7 @@ def _saved(v):
 
 def _residual(v, q, amax, requantize: bool):
     """What the backward pass keeps of one operand: the operand itself where it costs no
-    memory (``requantize``: a parameter, or a value an enclosing checkpoint recomputes), to
+    memory (`requantize`: a parameter, or a value an enclosing checkpoint recomputes), to
     be quantized again with the forward's amax; else its float8 value in the layout the
     backward product reads (written by the forward's quantising kernel), half the bytes."""
     if requantize:
@@ -190,10 +191,10 @@ def _residual(v, q, amax, requantize: bool):
 
 
 def _backward_operand(r, amax, canon: _Canon, requantize: bool, recomputed: bool):
-    """The ``[B, K, rows]`` float8 operand of the backward products from a residual. A
+    """The `[B, K, rows]` float8 operand of the backward products from a residual. A
     recomputed activation is quantized in its own layout and the float8 copy transposed:
-    XLA:GPU's transposing kernel (cuBLASLt reads ``[B, K, rows]``) does not take in an
-    expensive recomputation that another kernel also reads (GELU's ``tanh``, read by its
+    XLA:GPU's transposing kernel (cuBLASLt reads `[B, K, rows]`) does not take in an
+    expensive recomputation that another kernel also reads (GELU's `tanh`, read by its
     derivative too), which would then be written out in float32 and read back."""
     if recomputed:
         return _swap(lax.optimization_barrier(_quantize_with(canon.to(r), amax, E4M3)))
@@ -250,36 +251,48 @@ def fp8_dot_general(
     grad_dtypes: Sequence[Any] = (None, None),
     recomputed: Sequence[bool] = (False, False),
 ) -> jax.Array:
-    """``lax.dot_general(x, w, dimension_numbers)`` as a scaled float8 product.
+    """`lax.dot_general(x, w, dimension_numbers)` as a scaled float8 product.
 
-    Forward in ``float8_e4m3fn`` x ``float8_e4m3fn`` with float32 accumulation, the result
-    in ``out_dtype``; backward with the cotangent in ``float8_e5m2``; gradients in the
-    dtypes of ``x`` and ``w``. Reverse mode only (``jax.jvp`` raises: a ``custom_vjp``).
+    Forward in `float8_e4m3fn` x `float8_e4m3fn` with float32 accumulation, the result
+    in `out_dtype`; backward with the cotangent in `float8_e5m2`; gradients in the
+    dtypes of `x` and `w`. Reverse mode only (`jax.jvp` raises: a `custom_vjp`).
 
-    **Arguments:**
+    Args:
+        x: The left operand, a float array (float16, bfloat16 or float32).
+        w: The right operand, a float array (float16, bfloat16 or float32).
+        dimension_numbers: As for `lax.dot_general`.
+        out_dtype: The dtype the result is stored in.
+        requantize: Per operand (`x`, `w`), whether the backward pass keeps the operand
+            itself and quantizes it again with the forward pass's amax (the same float8
+            values; right where the operand is kept anyway: a parameter, or a value an
+            enclosing checkpoint recomputes) instead of keeping its float8 copy (half the
+            bytes of bfloat16).
+        grad_dtypes: Per operand, the dtype its gradient product writes (then cast to the
+            operand's dtype); None: the operand's dtype. The compute dtype for an
+            activation rounds its gradient as a half-precision matmul would (and halves
+            the buffer).
+        recomputed: Per operand, whether the backward pass recomputes it (an activation
+            inside an enclosing checkpoint; implies `requantize`): quantized in its own
+            layout, its float8 copy transposed, so the recomputation fuses with its other
+            readers.
 
-    - `x`, `w`: float arrays (float16, bfloat16 or float32).
-    - `dimension_numbers`: as for ``lax.dot_general``.
-    - `out_dtype`: the dtype the result is stored in.
-    - `requantize`: per operand, whether the backward pass keeps the operand itself and
-      quantizes it again with the forward pass's amax (the same float8 values; right where
-      the operand is kept anyway: a parameter, or a value an enclosing checkpoint
-      recomputes) instead of keeping its float8 copy (half the bytes of bfloat16).
-    - `grad_dtypes`: per operand, the dtype its gradient product writes (then cast to the
-      operand's dtype); None: the operand's dtype. The compute dtype for an activation
-      rounds its gradient as a half-precision matmul would (and halves the buffer).
-    - `recomputed`: per operand, whether the backward pass recomputes it (an activation
-      inside an enclosing checkpoint; implies `requantize`): quantized in its own layout,
-      its float8 copy transposed, so the recomputation fuses with its other readers.
+    Returns:
+        The product, in `out_dtype`.
 
-    **Returns:** the product, in ``out_dtype``.
+    Raises:
+        TypeError: `x`, `w` or an entry of `grad_dtypes` is not float16, bfloat16 or
+            float32.
+        ValueError: `requantize`, `grad_dtypes` or `recomputed` is not a pair.
 
-    Example::
-
+    Example:
+        ```python
         from autocast._fp8 import fp8_dot_general
 
         x, w = jnp.ones((32, 64)), jnp.ones((64, 16))
-        y = fp8_dot_general(x, w, (((1,), (0,)), ((), ())), jnp.bfloat16)  # bf16[32, 16]
+        y = fp8_dot_general(x, w, (((1,), (0,)), ((), ())), jnp.bfloat16)
+        assert y.shape == (32, 16) and y.dtype == jnp.bfloat16
+        assert (y == 64).all()  # ones are exact in float8
+        ```
     """
     for name, v in (("x", x), ("w", w)):
         d = _dtypes.dtype_of(v)
@@ -304,7 +317,7 @@ def fp8_dot_general(
 
 
 def gemm_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers: Any) -> tuple[int, int, int]:
-    """``(M, N, K)`` of the GEMM a ``dot_general`` is: the products of the lhs's and the
+    """`(M, N, K)` of the GEMM a `dot_general` is: the products of the lhs's and the
     rhs's kept (neither contracted nor batch) dimensions, and of the contracted ones."""
     (lc, rc), (lb, rb) = dimension_numbers
     m = int(np.prod([d for i, d in enumerate(lhs_shape) if i not in lc and i not in lb], dtype=np.int64))
@@ -322,9 +335,9 @@ def decide(
     target: Any,
     half_bytes: int = 2,
 ) -> tuple[bool, str]:
-    """Whether the rule binds the ``dot_general`` ``eqn`` in float8, and why (or why not),
-    for ``explain`` (see the module docstring; ``target``: a
-    :class:`autocast._fp8_cost.Target` or None; ``half_bytes``: the compute dtype's size)."""
+    """Whether the rule binds the `dot_general` `eqn` in float8, and why (or why not),
+    for `explain` (see the module docstring; `target`: a
+    `autocast._fp8_cost.Target` or None; `half_bytes`: the compute dtype's size)."""
     if len(arrived) != 2:
         return False, "not a two-operand matmul"
     if any(_dtypes.dtype_of(x) not in _dtypes.CASTABLE for x in arrived):
@@ -354,7 +367,7 @@ def _quantized_operands(arrived: Sequence[Any], cast: Sequence[Any], free: Seque
 
 
 class _Float8Rule(_rules.Rule):
-    """A policy rule: cast like ``use_compute_precision``; bind eligible matmuls in float8."""
+    """A policy rule: cast like `use_compute_precision`; bind eligible matmuls in float8."""
 
     role: _rules.Role = "compute"
     casts_only = True  # a matmul it leaves to the interpreter gets a float32 weight gradient too
@@ -420,34 +433,40 @@ class _Float8Rule(_rules.Rule):
 
 
 def use_float8(min_dim: int = MIN_DIM, activations: bool = False, target: str | None = "h100") -> Any:
-    """A policy rule that runs eligible ``dot_general`` s as scaled float8 products.
+    """A policy rule that runs eligible `dot_general`s as scaled float8 products.
 
-    Forward in ``float8_e4m3fn`` with per-tensor current scaling and float32 accumulation,
-    backward with the cotangent in ``float8_e5m2``; a float32 parameter gets a float32
-    gradient. Other equations it is given run as with :func:`use_compute_precision`.
+    Forward in `float8_e4m3fn` with per-tensor current scaling and float32 accumulation,
+    backward with the cotangent in `float8_e5m2`; a float32 parameter gets a float32
+    gradient. Other equations it is given run as with `use_compute_precision`.
 
-    **Arguments:**
+    Args:
+        min_dim: A matmul runs in float8 only if its GEMM dimensions M, N, K (rows,
+            columns, contracted size; batch dimensions aside) are all at least this.
+        activations: Also products of two computed values (attention's scores and values);
+            by default one operand must be a parameter, an input or a constant.
+        target: The GPU whose roofline decides per matmul whether float8 pays (`"h100"`,
+            `"h200"`, `"b200"`; see `autocast._fp8_cost`): a matmul runs in float8 only
+            where its three train-step GEMMs plus the quantisation are modeled faster than
+            in the compute dtype, from the sizes `amp` traces (apply `amp` outside
+            `vmap`). `None`: every matmul of at least `min_dim` (to study float8's
+            numerics on small models, or on a CPU).
 
-    - `min_dim`: a matmul runs in float8 only if its GEMM dimensions M, N, K (rows,
-      columns, contracted size; batch dimensions aside) are all at least this.
-    - `activations`: also products of two computed values (attention's scores and values);
-      by default one operand must be a parameter, an input or a constant.
-    - `target`: the GPU whose roofline decides per matmul whether float8 pays (``"h100"``,
-      ``"h200"``, ``"b200"``; see ``autocast._fp8_cost``): a matmul runs in float8 only
-      where its three train-step GEMMs plus the quantisation are modeled faster than in the
-      compute dtype, from the sizes ``amp`` traces (apply ``amp`` outside ``vmap``).
-      ``None``: every matmul of at least ``min_dim`` (to study float8's numerics on small
-      models, or on a CPU).
+    Returns:
+        The rule (for `extend_policy` or a policy dict).
 
-    **Returns:** the rule (for :func:`extend_policy` or a policy dict).
+    Raises:
+        ValueError: `min_dim` is not a positive integer, or `target` is not one of the
+            GPUs above or None.
 
-    Example::
-
+    Example:
+        ```python
         policy = autocast.extend_policy({"attention": autocast.use_float8(activations=True)},
                                         base=autocast.load_policy("fp8"))
+        assert policy["attention"].activations  # in scope "attention": products of activations too
+        ```
     """
     return _Float8Rule(min_dim, activations, target)
 
 
 CATEGORIES = {"fp8": use_float8(), "fp8_any": use_float8(activations=True)}
-"""The policy-table categories this module adds (:data:`autocast._policy.CATEGORIES`)."""
+"""The policy-table categories this module adds (`autocast._policy.CATEGORIES`)."""

@@ -1,14 +1,14 @@
 """Float32 islands: which runs of float32 equations are recomputed, and how they are evaluated.
 
-The planner marks the equations that compute in float32 (:attr:`autocast._plan.Plan.island`).
-With ``remat_float32`` each contiguous run of them (an island, :func:`island_end`) is
-evaluated inside its own ``jax.checkpoint`` (:func:`eval_island`), so its float32 results
-are recomputed in the backward pass rather than saved; with ``"auto"`` only where that cuts
-what the island keeps by a large factor (:func:`worth_recomputing`). A recomputed island's
+The planner marks the equations that compute in float32 (`autocast._plan.Plan.island`).
+With `remat_float32` each contiguous run of them (an island, `island_end`) is
+evaluated inside its own `jax.checkpoint` (`eval_island`), so its float32 results
+are recomputed in the backward pass rather than saved; with `"auto"` only where that cuts
+what the island keeps by a large factor (`worth_recomputing`). A recomputed island's
 checkpoint also holds the matmuls that read it and saves only their outputs
-(:func:`absorbed_end`), so their half-precision operand is recomputed, not kept; and a
+(`absorbed_end`), so their half-precision operand is recomputed, not kept; and a
 product of two activations that only the island reads (attention's scores before the
-softmax, :func:`lead_ins`), so the product is recomputed from its operands, which its own
+softmax, `lead_ins`), so the product is recomputed from its operands, which its own
 derivative keeps anyway. Islands are local: an enclosing user checkpoint keeps its policy.
 """
 
@@ -26,11 +26,11 @@ from ._binding import LITERAL
 
 
 def recomputed_consumers(ctx: Any, eqns: Sequence[Any], plan: list, island: list[bool], wide: dict, env: dict):
-    """For the matmuls in ``wide`` (index -> indices of their readers): a test of whether one
-    of them feeds an island that will be recomputed. Such a matmul keeps its half-precision result: the island's checkpoint
-    saves its inputs, and a float32 one would double them. The decision the island takes
-    when it is reached is estimated here with the values at hand, counting the results of
-    matmuls not evaluated yet in the compute dtype."""
+    """For the matmuls in `wide` (index -> indices of their readers): a test of whether one
+    of them feeds an island that will be recomputed. Such a matmul keeps its half-precision
+    result: the island's checkpoint saves its inputs, and a float32 one would double them.
+    The decision the island takes when it is reached is estimated here with the values at
+    hand, counting the results of matmuls not evaluated yet in the compute dtype."""
     if not ctx.remat:
         return lambda i: False
     segment: dict[int, tuple[int, int]] = {}  # island equation -> its island's (start, end)
@@ -71,11 +71,11 @@ def recomputes(ctx: Any, eqns: Sequence[Any], read) -> bool:
 
 
 def lead_ins(eqns: Sequence[Any], plan: list, island: list[bool], outvars: Sequence[Any]) -> dict[int, int]:
-    """Islands' lead-ins: ``{start: island start}``.
+    """Islands' lead-ins: `{start: island start}`.
 
-    A lead-in is a compute-rule ``dot_general`` of two computed values (attention's
-    ``q @ k.T``) whose result, larger than either operand, only the island reads, possibly
-    through single-use equations with one array operand (a scale, a mask's ``where``).
+    A lead-in is a compute-rule `dot_general` of two computed values (attention's
+    `q @ k.T`) whose result, larger than either operand, only the island reads, possibly
+    through single-use equations with one array operand (a scale, a mask's `where`).
     Evaluated in the island's checkpoint, the product is recomputed in the backward pass
     instead of saved as the island's input: the backward pass keeps its operands anyway
     (its own derivative reads them), so this saves the product's bytes for one matmul's
@@ -125,7 +125,7 @@ def lead_ins(eqns: Sequence[Any], plan: list, island: list[bool], outvars: Seque
 
 
 def readers(eqns: Sequence[Any], outvars: Sequence[Any] = ()) -> dict[Any, set[int]]:
-    """Variable -> the indices of the equations that read it (``len(eqns)`` for ``outvars``:
+    """Variable -> the indices of the equations that read it (`len(eqns)` for `outvars`:
     read after the equations)."""
     readers: dict[Any, set[int]] = {}
     for n, eqn in enumerate(eqns):
@@ -139,7 +139,7 @@ def readers(eqns: Sequence[Any], outvars: Sequence[Any] = ()) -> dict[Any, set[i
 
 
 def island_end(eqns: Sequence[Any], plan: list, island: list[bool], i: int) -> int:
-    """End of the island starting at ``i``: the run of float32 equations, continued over
+    """End of the island starting at `i`: the run of float32 equations, continued over
     equations without float results (integer index arithmetic between a norm's statistics
     and its normalisation) when more float32 equations follow, so that one island does not
     hand a float32 activation to the next."""
@@ -184,8 +184,8 @@ RECOMPUTE_RATIO = 1.75
 
 
 def worth_recomputing(eqns: Sequence[Any], nbytes) -> bool:
-    """The island cost model of ``remat_float32="auto"``: recompute an island only if that
-    cuts the memory it keeps for the backward pass by a large factor (``RECOMPUTE_RATIO``).
+    """The island cost model of `remat_float32="auto"`: recompute an island only if that
+    cuts the memory it keeps for the backward pass by a large factor (`RECOMPUTE_RATIO`).
 
     Recomputed, the island keeps its inputs (in the dtypes they arrive in). Not
     recomputed, the backward pass keeps its float32 intermediates, estimated as the float32
@@ -213,11 +213,11 @@ def absorbed_end(eqns: Sequence[Any], plan: list, island: list[bool], j: int, le
 
     The matmul (convolution) after a layer norm, a softmax or GELU needs its half-precision
     operand for the backward pass (the weight gradient): saved, it is an activation the size
-    of the island's output. Evaluated in the island's ``jax.checkpoint``, with a policy that
+    of the island's output. Evaluated in the island's `jax.checkpoint`, with a policy that
     saves only the matmul outputs, that operand is recomputed with the island, which the
     backward pass recomputes anyway. The island extends over the compute-rule equations
     that follow it and the linear ones between them (reshapes, bias adds, weight casts),
-    up to the last compute-rule one and not over the next island's lead-in (``lead``);
+    up to the last compute-rule one and not over the next island's lead-in (`lead`);
     nothing non-linear is recomputed twice.
     """
     k, last = j, j
@@ -242,12 +242,12 @@ def eval_island(
     n_island: int | None,
     eval_eqn: Callable[..., None],
 ) -> None:
-    """Evaluate a run of float32 equations inside ``jax.checkpoint``: the backward pass
+    """Evaluate a run of float32 equations inside `jax.checkpoint`: the backward pass
     recomputes them from the island's inputs (half-precision activations, parameters)
-    instead of keeping their float32 results. Equations after the first ``n_island`` are
-    the matmuls that read the island (see :func:`absorbed_end`): only their outputs are
-    saved. ``eval_eqn(ctx, eqn, step, env, read, scopes, island)`` evaluates one equation
-    (the interpreter's), ``island`` being a marker shared by the island's equations."""
+    instead of keeping their float32 results. Equations after the first `n_island` are
+    the matmuls that read the island (see `absorbed_end`): only their outputs are
+    saved. `eval_eqn(ctx, eqn, step, env, read, scopes, island)` evaluates one equation
+    (the interpreter's), `island` being a marker shared by the island's equations."""
     n_island = len(eqns) if n_island is None else n_island
     inputs = _island_inputs(eqns)
     outputs = [
@@ -286,10 +286,10 @@ def eval_island(
 
 def _kept_for_matmul(eqns: Sequence[Any], steps: Sequence, n_island: int, outputs: Sequence[Any]):
     """The values an island's checkpoint saves only for one matmul: the result of a saved
-    matmul (attention's ``probs @ values``) carried through linear equations (reshapes,
+    matmul (attention's `probs @ values`) carried through linear equations (reshapes,
     transposes), each read once and never outside the island. A float8 matmul reading one
     keeps its float8 copy instead of having the half-precision value saved (half the bytes);
-    not where the checkpoint would keep the value anyway (``jax_remat3``)."""
+    not where the checkpoint would keep the value anyway (`jax_remat3`)."""
     if _compat.checkpoint_keeps_custom_vjp_operands():
         return frozenset()
     read_by = readers(eqns, outputs)  # an output: read outside the island too
@@ -307,9 +307,9 @@ def _kept_for_matmul(eqns: Sequence[Any], steps: Sequence, n_island: int, output
 
 def _tangent_free(eqns: Sequence[Any], inputs: Sequence[Any], outputs: Sequence[Any]) -> set:
     """The float inputs of an island whose tangent it never uses: read only through
-    ``stop_gradient`` or into non-float results (a softmax's ``max``). They enter its
-    checkpoint through ``stop_gradient``: JAX's ``jax_remat3`` checkpoint keeps the tangent of
-    every input alive, and with it the residuals of the JVP that made it (the ``max``'s mask,
+    `stop_gradient` or into non-float results (a softmax's `max`). They enter its
+    checkpoint through `stop_gradient`: JAX's `jax_remat3` checkpoint keeps the tangent of
+    every input alive, and with it the residuals of the JVP that made it (the `max`'s mask,
     the size of the logits)."""
     needs = set(outputs)
     for eqn in reversed(eqns):

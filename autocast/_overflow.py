@@ -1,8 +1,8 @@
-"""``autocast.find_overflow``: where half precision breaks, equation by equation.
+"""`autocast.find_overflow`: where half precision breaks, equation by equation.
 
 The amp-transformed program is evaluated eagerly, one equation at a time, with the bodies
-of higher-order primitives inlined (``jit``/``checkpoint`` bodies in place, ``scan`` and
-``while`` as Python loops, ``cond`` as the branch taken, ``custom_jvp``/``custom_vjp`` as
+of higher-order primitives inlined (`jit`/`checkpoint` bodies in place, `scan` and
+`while` as Python loops, `cond` as the branch taken, `custom_jvp`/`custom_vjp` as
 their primal body). Each equation whose result is half precision is bound a second time
 with its operands cast to float32: an *equation-local* float32 reference. A finding is an
 equation whose half-precision result is inf/NaN where the reference is finite, or is zero
@@ -35,28 +35,32 @@ _REARRANGING = COMMUTES_WITH_ROUNDING | {"argmax", "argmin", "device_put", "dyna
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """One equation where half precision breaks (see :func:`autocast.find_overflow`).
+    """One equation where half precision breaks (see `autocast.find_overflow`).
 
-    Fields: `kind` (`"overflow"`, `"nan"` or `"underflow"`), `primitive`, `source`, `scopes`,
-    `path`, the value ranges in half precision and float32, the number of elements affected,
-    and a one-line suggestion; `str(finding)` prints all of it.
+    Its fields: `kind` (`"overflow"`, `"nan"` or `"underflow"`), `primitive`, `source`,
+    `scopes`, `path`, the value ranges in half precision and float32 (`half_range`,
+    `float32_range`), the half-precision `dtype`, the number of elements affected (`count`),
+    whether it is in the backward pass (`backward`) and a one-line `suggestion`;
+    `str(finding)` prints all of it.
 
-    Example::
-
+    Example:
+        ```python
         big = {"w1": params["w1"], "w2": params["w2"] * 1e5}  # float16 tops out at 65504
         findings = autocast.find_overflow(loss_fn)(big, batch)
         assert findings and isinstance(findings[0], autocast.Finding)
+        assert findings[0].kind == "overflow" and findings[0].dtype == "float16"
         print(findings[0])
+        ```
     """
 
     primitive: str
     kind: str
-    """``"overflow"`` (inf), ``"nan"`` or ``"underflow"`` (flushed to zero)."""
+    """`"overflow"` (inf), `"nan"` or `"underflow"` (flushed to zero)."""
     source: str
-    """``"path/to/file.py:LINE"``: the user line that traced the equation."""
+    """`"path/to/file.py:LINE"`: the user line that traced the equation."""
     scopes: tuple[str, ...]
     path: tuple[str, ...]
-    """Enclosing higher-order primitives, outermost first (``("jit(f)", "scan(4)")``)."""
+    """Enclosing higher-order primitives, outermost first (`("jit(f)", "scan(4)")`)."""
     half_range: tuple[float, float]
     """(min, max) of the half-precision result."""
     float32_range: tuple[float, float]
@@ -66,7 +70,7 @@ class Finding:
     count: int
     """How many elements broke."""
     backward: bool
-    """Whether the equation is in the backward pass (``grad=True``)."""
+    """Whether the equation is in the backward pass (`grad=True`)."""
     suggestion: str
 
     def __str__(self) -> str:
@@ -89,7 +93,7 @@ class Finding:
 
 
 class Findings(list):
-    """A list of :class:`Finding` in program order; prints one per line."""
+    """A list of `Finding` in program order; prints one per line."""
 
     checked: int = 0
 
@@ -221,10 +225,10 @@ class _Checker:
         return [*carry, *stacked]
 
     def hi(self, eqn: Any, invals: list, scopes, path, bwd) -> list[Any]:
-        """A ``call_hi_primitive`` equation (JAX's upgrade flags): checkpoint and custom
-        derivative bodies run in place (the primal body); a ``Scan3`` runs its body once per
-        step, in order, as JAX's own ``Scan3.expand`` does (carries are ``Ref`` operands the
-        body reads and writes); an opaque one (``searchsorted``, ...) is bound as it is."""
+        """A `call_hi_primitive` equation (JAX's upgrade flags): checkpoint and custom
+        derivative bodies run in place (the primal body); a `Scan3` runs its body once per
+        step, in order, as JAX's own `Scan3.expand` does (carries are `Ref` operands the
+        body reads and writes); an opaque one (`searchsorted`, ...) is bound as it is."""
         kind, subs = _walk.kind(eqn), _walk.bodies(eqn)
         if kind in ("checkpoint", "custom_jvp", "custom_vjp") and len(subs) == 1:
             return self.body(subs[0], invals, scopes, path, bwd)
@@ -244,7 +248,7 @@ class _Checker:
     # --- the equation-local float32 reference ---------------------------------------------
 
     def check(self, eqn: Any, invals: list, outs: list, scopes, path, bwd) -> None:
-        """Bind ``eqn`` again with its half operands (and half dtype parameters) in float32."""
+        """Bind `eqn` again with its half operands (and half dtype parameters) in float32."""
         name = eqn.primitive.name
         if (
             name in _REARRANGING
@@ -342,32 +346,55 @@ def _is_half_dtype(v: Any) -> bool:
 def find_overflow(
     fn: Callable, *, grad: bool = False, scale: float = 2.0**15, **options: Unpack[AmpKwargs]
 ) -> Callable[..., Findings]:
-    """Find where ``fn`` breaks in half precision under :func:`autocast.amp`.
+    """Find where `fn` breaks in half precision under `autocast.amp`.
 
-    Runs ``amp(fn)`` eagerly, equation by equation (inside nested ``jit``, ``scan``,
-    ``while``, ``cond``, ``checkpoint`` and custom-derivative bodies), and compares each
+    Runs `amp(fn)` eagerly, equation by equation (inside nested `jit`, `scan`,
+    `while`, `cond`, `checkpoint` and custom-derivative bodies), and compares each
     half-precision result with the same equation evaluated in float32 on the same inputs.
 
-    **Arguments:**
+    `find_overflow` takes `fn` and every option of `autocast.amp`, with the same defaults:
+    the program checked is the one `amp(fn, **options)` makes.
 
-    - ``fn`` and every option of :func:`autocast.amp` (``compute_dtype``, ``amp_policy``,
-      ``remat_float32``, ...), with the same defaults: the program checked is the one
-      ``amp(fn, **options)`` makes (``weight_grad_dtype="compute"``: the weight gradients'
-      matmuls write half precision and are checked too).
-    - ``grad``: also check the backward pass; ``fn`` must return a scalar float loss, and
-      the gradient is taken with respect to every floating array leaf of the arguments.
-    - ``scale``: the loss scale the backward pass is checked at (``grad=True``).
+    Args:
+        fn: The function, as `autocast.amp` takes it.
+        compute_dtype: `float16` (default), `bfloat16` or `float32` (a dtype or a string
+            such as `"bf16"`): the half-precision dtype checked.
+        amp_policy: A mapping from primitives or `jax.named_scope` names to rules;
+            default `autocast.default_amp_policy`.
+        remat_float32: Which float32 islands are recomputed in the backward pass:
+            `"auto"` (default), `True` or `False`, as in `autocast.amp`.
+        weight_grad_dtype: The dtype the matmuls computing weight gradients write:
+            `"float32"` (default) or `"compute"` (then they write half precision and are
+            checked too, with `grad=True`).
+        custom_vjp_bwd: How the backward rules of `jax.custom_vjp` functions run (with
+            `grad=True`): `"amp"` (default, under the policy: their matmuls in half
+            precision) or `"original"` (as written, in the dtypes they are given).
+        grad: Also check the backward pass; `fn` must return a scalar float loss, and
+            the gradient is taken with respect to every floating array leaf of the
+            arguments.
+        scale: The loss scale the backward pass is checked at (`grad=True`).
 
-    **Returns:** a function that takes ``fn``'s (concrete) arguments and returns a list of
-    :class:`Finding` in program order, earliest first: ``kind`` ``"overflow"``/``"nan"``
-    (inf/NaN in half precision, finite in float32) or ``"underflow"`` (zero in half
-    precision, a significant value in float32), with the primitive, the source line, the
-    scopes, both value ranges and a suggestion. ``print`` it.
+    Returns:
+        A function that takes `fn`'s (concrete) arguments and returns a list of `Finding`
+            in program order, earliest first: `kind` `"overflow"`/`"nan"` (inf/NaN in half
+            precision, finite in float32) or `"underflow"` (zero in half precision, a
+            significant value in float32), with the primitive, the source line, the scopes,
+            both value ranges and a suggestion. `print` it (its `checked` attribute counts
+            the equations checked).
 
-    Example::
+    Raises:
+        TypeError: `fn` is not callable, `grad` is not a bool, `scale` is not a number, a
+            keyword is not an option of `autocast.amp`, or `amp_policy` is not a mapping
+            from primitives or scope names to rules.
+        ValueError: `scale` is not positive and finite, an option has a value
+            `autocast.amp` does not allow, or (when the returned function is called with
+            `grad=True`) `fn` does not return a scalar float loss.
 
+    Example:
+        ```python
         findings = autocast.find_overflow(loss_fn, grad=True, scale=1.0)(params, batch)
         print(findings)
+        ```
     """
     _check_fn("find_overflow", fn)
     opts = AmpOptions.from_kwargs("find_overflow", options)
@@ -396,7 +423,7 @@ def find_overflow(
 
 
 def _grad_target(flat_fn: Callable, dynamic: list[Any], scale: float) -> Callable:
-    """``(loss * scale, *grads)`` of ``flat_fn`` w.r.t. its floating leaves."""
+    """`(loss * scale, *grads)` of `flat_fn` w.r.t. its floating leaves."""
     shapes = jax.eval_shape(flat_fn, *dynamic)
     if len(shapes) != 1 or shapes[0].shape != () or not _dtypes.is_floating(shapes[0].dtype):
         got = ", ".join(f"{s.dtype}{list(s.shape)}" for s in shapes) or "no array"

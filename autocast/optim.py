@@ -1,7 +1,7 @@
 """Half-precision optimizer memory: bfloat16 parameters and optimizer state with stochastic rounding.
 
-These names live here only (``import autocast`` makes ``autocast.optim`` available; their
-old top-level paths, ``autocast.half_state`` and so on, still work with a DeprecationWarning):
+These names live here only (`import autocast` makes `autocast.optim` available; their
+old top-level paths, `autocast.half_state` and so on, still work with a DeprecationWarning):
 
 - `stochastic_round(tree, dtype, key)`: unbiased rounding of float32 leaves to bfloat16/float16.
 - `half_state(optax.adamw(...))`: an optax wrapper that stores the moments in bfloat16.
@@ -13,11 +13,12 @@ old top-level paths, ``autocast.half_state`` and so on, still work with a Deprec
 Parameters stored in bfloat16 are updated with `autocast.optimizer_update(..., key=)`.
 See docs/memory.md.
 
-Example::
-
+Example:
+    ```python
     params16 = autocast.optim.to_half_params(params)
     opt = autocast.optim.half_state(optax.adamw(1e-3))
     assert isinstance(opt.init(params16), autocast.optim.HalfOptState)
+    ```
 """
 
 from ._half_optim import HalfOptState as HalfOptState

@@ -37,21 +37,12 @@ MODULES = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py"))
 # parser (conftest.py).
 OLD_STYLE = {
     # converted later (the lead's files)
-    "autocast/__init__.py",
-    "autocast/_amp.py",
-    "autocast/_binding.py",
-    "autocast/_checkpoint.py",
-    "autocast/_explain.py",
     "autocast/_explain_record.py",
-    "autocast/_fp8.py",
     "autocast/_interpreter.py",
-    "autocast/_islands.py",
     "autocast/_options.py",
-    "autocast/_overflow.py",
     "autocast/_plan.py",
     "autocast/_policy.py",
     "autocast/_rules.py",
-    "autocast/optim.py",
     "autocast/_attention/__init__.py",
     "autocast/_attention/_call.py",
     "autocast/_attention/_find.py",
