@@ -195,6 +195,11 @@ def amp(fn: Callable | None = None, **options: Unpack[AmpKwargs]) -> Any:
             recomputes the forward pass (diffrax's checkpointed loops) is as fast as the
             forward. `"original"`: called as written on the residuals and cotangents as
             they arrive.
+        attention: Whether attention runs as one fused kernel. `"auto"` (default): each
+            attention amp finds and proves to be one `jax.nn.dot_product_attention` call
+            (the softmax of `q . k` over the keys, times `v`, with a concrete scale and a
+            causal, windowed, length or boolean mask) runs as cuDNN's fused kernel on a
+            CUDA GPU, as written elsewhere (docs/attention.md). `"xla"`: never fused.
 
     Returns:
         A function with `fn`'s signature. Calls with the same argument structure, shapes
@@ -204,8 +209,8 @@ def amp(fn: Callable | None = None, **options: Unpack[AmpKwargs]) -> Any:
         TypeError: `fn` is not callable, a keyword is not one of the options above, or
             `amp_policy` is not a mapping from primitives or scope names to rules.
         ValueError: `compute_dtype` is not float16, bfloat16 or float32 (or one of their
-            names), or `remat_float32`, `weight_grad_dtype` or `custom_vjp_bwd` is not
-            one of the values above.
+            names), or `remat_float32`, `weight_grad_dtype`, `custom_vjp_bwd` or
+            `attention` is not one of the values above.
 
     Example:
         ```python

@@ -77,6 +77,34 @@ def bind(prim: Primitive, invals: Sequence[Any], params: dict[str, Any]) -> list
     return list(out) if prim.multiple_results else [out]
 
 
+_core = importlib.import_module("jax._src.core")
+_siu = importlib.import_module("jax._src.source_info_util")
+
+
+def new_eqn(
+    invars: Sequence[Any], outvars: Sequence[Any], prim: Primitive, params: dict[str, Any], source_info: Any
+) -> Any:
+    """A jaxpr equation without effects (JAX 0.9.2 .. 0.12: `core.new_jaxpr_eqn`; 0.12 also
+    exports it from `jax.extend.core`), its source info without a name stack (a call's
+    equations extend the name stack they are bound in)."""
+    return _core.new_jaxpr_eqn(
+        list(invars), list(outvars), prim, params, frozenset(), source_info.replace(name_stack=_siu.new_name_stack())
+    )
+
+
+def jaxpr_of(invars: Sequence[Any], outvars: Sequence[Any], eqns: Sequence[Any]) -> Any:
+    """A closed jaxpr without constants over existing variables and equations (`core.Jaxpr`:
+    constvars, invars, outvars, eqns, effects in JAX 0.9.2 .. 0.12)."""
+    info = _debug_info(lambda *args: args, [v.aval for v in invars])
+    info = info._replace(result_paths=tuple(f"result[{i}]" for i in range(len(outvars))))  # (a NamedTuple)
+    return close_jaxpr(_core.Jaxpr([], list(invars), list(outvars), list(eqns), frozenset(), info), [])
+
+
+def with_eqns(jaxpr: Any, eqns: Sequence[Any]) -> Any:
+    """An open jaxpr with other equations (`Jaxpr.replace`, JAX 0.9.2 .. 0.12)."""
+    return jaxpr.replace(eqns=list(eqns))
+
+
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
     """`(num_consts, num_carry)` of a `scan` equation's operands (consts, carry, xs)."""
     if "num_consts" in params:  # JAX <= 0.11: explicit counts

@@ -284,6 +284,8 @@ class Explanation:
                 else "as written, on residuals and cotangents as they arrive (custom_vjp_bwd='original')"
             )
             lines.append(f"custom_vjp backward rules: {vjp['count']}, run {how}")
+        for att in t.get("attention") or []:
+            lines.append(f"{att['attention']}: {att['kernel']}")
         sums = t.get("float16_sums") or []
         if sums:
             lines.append(
@@ -429,6 +431,9 @@ def explain(fn: Callable, **options: Unpack[AmpKwargs]) -> Callable[..., Explana
         custom_vjp_bwd: How the backward rules of `jax.custom_vjp` functions run: `"amp"`
             (default, under the policy) or `"original"` (as written); the totals say how
             many there are and how they run.
+        attention: `"auto"` (default: attention amp proves equal to one fused call runs as
+            cuDNN's kernel on a CUDA GPU) or `"xla"` (never fused); `totals["attention"]`
+            lists each attention found, with what amp does with it and why.
 
     Returns:
         A function that takes `fn`'s arguments (arrays, or `jax.ShapeDtypeStruct` leaves:
@@ -441,7 +446,8 @@ def explain(fn: Callable, **options: Unpack[AmpKwargs]) -> Callable[..., Explana
             inserted; float32 islands and how many are recomputed; `custom_vjp_bwd`: how
             many `custom_vjp` backward rules the program holds and how they run;
             `float16_sums`: with float16, the sums computed in float32 and rounded to
-            float16 for what reads them) and `.float32_matmuls` (each matmul/convolution
+            float16 for what reads them; `attention`: each attention found, what it is
+            and its kernel, or why it runs as written) and `.float32_matmuls` (each matmul/convolution
             not in the compute dtype, with its source line), or export `.to_dict()` /
             `.to_markdown()`.
 
@@ -492,6 +498,7 @@ def explain(fn: Callable, **options: Unpack[AmpKwargs]) -> Callable[..., Explana
                 "mode": opts.custom_vjp_bwd,
             },
             "float16_sums": sorted(set(_float16_sums(transformed))) if opts.dtype == np.float16 else [],
+            "attention": [{"attention": a, "kernel": k} for a, k in dict.fromkeys(observer.attention)],
         }
         return Explanation(opts.dtype.name, observer.records, totals)
 

@@ -91,6 +91,8 @@ class Observer:
         self.float8_eqns: dict[int, tuple[bool, ...]] = {}
         # id(eqn) -> the float8 rule's reason for binding it in float8 or not
         self.float8_why: dict[int, str] = {}
+        # each attention the rewrite found: (what it is, what amp does with it)
+        self.attention: list[tuple[str, str]] = []
         # off once the program is transformed: rules JAX traces later (``jax.vjp`` below)
         # run in copies of the context that still hold this observer
         self.active = True

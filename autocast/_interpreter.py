@@ -66,6 +66,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from . import _binding, _compat, _dtypes, _islands, _plan
+from ._attention import _fuse
 from ._binding import LITERAL, original_dtypes
 from ._policy import Lookup
 
@@ -112,6 +113,8 @@ class Context:
         # that binds its equation itself reads it (a float8 matmul keeps no copy of an
         # operand the backward pass recomputes anyway).
         self.checkpoint_saved: frozenset | None = None
+        # Whether attention spans are fused (``amp(attention=...)``): "auto" or "xla" (never).
+        self.attention = "auto"
 
     def narrowing(self, out_narrow: Sequence[bool] | None) -> Context:
         """This context (same caches), telling a call's handler which outputs to narrow."""
@@ -146,6 +149,20 @@ class Context:
         other = copy.copy(self)
         other.checkpoint_saved = frozenset(saved)
         return other
+
+    def without_attention(self) -> Context:
+        """This context (same caches), fusing no attention: for the equations of a fused
+        span evaluated as written."""
+        other = copy.copy(self)
+        other.attention = "xla"
+        return other
+
+    def eval_closed(self, closed: Any, args: Sequence[Any], free: Sequence[Any], scopes: tuple[str, ...]) -> list[Any]:
+        """Evaluate a closed jaxpr's equations under this context (in the trace that is
+        running): what a rule's ``bind`` calls to run equations it holds as amp would."""
+        open_, consts = _compat.open_and_consts(closed)
+        outs, _ = eval_jaxpr(self, open_, consts, args, free, scopes)
+        return outs
 
     def cached(self, key: tuple, jaxpr_like: Any, build):
         """Memoise a sub-jaxpr rewrite on (jaxpr object, dtypes, scopes, ...)."""
@@ -184,6 +201,7 @@ def eval_jaxpr(
 
     if ctx.out_narrow is not None:  # meant for the handler that called us, not nested calls
         ctx = ctx.narrowing(None)
+    jaxpr = _fuse.fuse(ctx, jaxpr, consts, scopes)  # attention spans as one equation each
     plan = _plan.plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars), out_narrow)
     with _dtypes.memoised_casts():
         _eval_eqns(ctx, jaxpr, plan, env, read, scopes)

@@ -23,6 +23,7 @@ from ._policy import default_amp_policy, validate_policy
 
 _WEIGHT_GRAD_DTYPES = ("float32", "compute")
 _CUSTOM_VJP_BWD = ("amp", "original")
+_ATTENTION = ("auto", "xla")
 
 
 class AmpKwargs(TypedDict, total=False):
@@ -34,6 +35,7 @@ class AmpKwargs(TypedDict, total=False):
     remat_float32: bool | Literal["auto"]
     weight_grad_dtype: Literal["float32", "compute"]
     custom_vjp_bwd: Literal["amp", "original"]
+    attention: Literal["auto", "xla"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,7 @@ class AmpOptions:
     remat_float32: bool | Literal["auto"] = "auto"
     weight_grad_dtype: Literal["float32", "compute"] = "float32"
     custom_vjp_bwd: Literal["amp", "original"] = "amp"
+    attention: Literal["auto", "xla"] = "auto"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: canonical values are written once, here
@@ -59,6 +62,7 @@ class AmpOptions:
             raise ValueError(f"remat_float32={self.remat_float32!r} is not allowed; use True, False or 'auto'.")
         _check_choice("weight_grad_dtype", self.weight_grad_dtype, _WEIGHT_GRAD_DTYPES)
         _check_choice("custom_vjp_bwd", self.custom_vjp_bwd, _CUSTOM_VJP_BWD)
+        _check_choice("attention", self.attention, _ATTENTION)
 
     @classmethod
     def from_kwargs(cls, caller: str, options: Mapping[str, Any]) -> AmpOptions:
@@ -88,6 +92,7 @@ class AmpOptions:
         ctx = cls(self.dtype, self.policy, self.remat_float32)
         ctx.float32_cotangents = self.weight_grad_dtype == "float32"
         ctx.custom_vjp_bwd = self.custom_vjp_bwd
+        ctx.attention = self.attention
         return ctx
 
     def as_kwargs(self) -> dict[str, Any]:

@@ -369,6 +369,9 @@ def find_overflow(
         custom_vjp_bwd: How the backward rules of `jax.custom_vjp` functions run (with
             `grad=True`): `"amp"` (default, under the policy: their matmuls in half
             precision) or `"original"` (as written, in the dtypes they are given).
+        attention: `"auto"` (default) or `"xla"`, as for `autocast.amp`; the program
+            checked is the one amp runs on this machine (a fused attention kernel exists
+            only on a CUDA GPU).
         grad: Also check the backward pass; `fn` must return a scalar float loss, and
             the gradient is taken with respect to every floating array leaf of the
             arguments.

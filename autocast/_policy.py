@@ -21,12 +21,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from . import _compat, _fp8, _rules
+from ._attention import _fuse
 
 PolicyKey = _compat.Primitive | str
 AMP_DEFAULT = "amp_default"
 AMP_STOP = "amp_stop"
 
-CATEGORIES: dict[str, _rules.Rule] = {**_rules.CATEGORIES, **_fp8.CATEGORIES}
+CATEGORIES: dict[str, _rules.Rule] = {**_rules.CATEGORIES, **_fp8.CATEGORIES, **_fuse.CATEGORIES}
 """The rule each category name of a policy file stands for (``policies/README.md``)."""
 
 # Rules registered with ``register_rule``: part of the default policy, and the fallback of
@@ -104,7 +105,7 @@ def _key_name(key: PolicyKey) -> str:
 
 @functools.cache
 def _primitives_by_name() -> dict[str, list[_compat.Primitive]]:
-    return _compat.discover_primitives()
+    return {**_compat.discover_primitives(), _fuse.fused_attention_p.name: [_fuse.fused_attention_p]}
 
 
 _SHIPPED = "autocast.policies"
@@ -361,13 +362,19 @@ class Lookup:
         self.scope_keys = [k for k in policy if isinstance(k, str) and k not in (AMP_DEFAULT,)]
         self.default = _rules.as_rule(policy.get(AMP_DEFAULT, _rules.use_original_precision))
 
-    def scope_rule(self, scopes: tuple[str, ...]) -> tuple[_rules.Rule | None, str | None]:
+    def scope_rule(
+        self, scopes: tuple[str, ...], prim: _compat.Primitive | None = None
+    ) -> tuple[_rules.Rule | None, str | None]:
+        """The rule of the outermost scope that maps ``prim`` (a scope's rule for some
+        primitives only, ``Rule.primitives``, maps no other), and the scope's key."""
         if AMP_STOP in scopes:
             return _rules.use_original_precision, AMP_STOP
         for scope in scopes:
             for key in self.scope_keys:
                 if key == scope or (any(c in key for c in "*?[") and fnmatch.fnmatchcase(scope, key)):
-                    return _rules.as_rule(self.policy[key]), key
+                    rule = _rules.as_rule(self.policy[key])
+                    if rule.primitives is None or (prim is not None and prim.name in rule.primitives):
+                        return rule, key
         return None, None
 
     def explicit(self, prim: _compat.Primitive) -> bool:
@@ -375,7 +382,7 @@ class Lookup:
         return prim in self.policy or prim in _REGISTRY
 
     def rule(self, prim: _compat.Primitive, scopes: tuple[str, ...]) -> _rules.Rule:
-        rule, _ = self.scope_rule(scopes)
+        rule, _ = self.scope_rule(scopes, prim)
         if rule is not None:
             return rule
         found = self.policy.get(prim)
@@ -386,7 +393,7 @@ class Lookup:
     def rule_and_reason(self, prim: _compat.Primitive, scopes: tuple[str, ...]) -> tuple[_rules.Rule, str]:
         """:meth:`rule` and why it applies (for ``autocast.explain``): ``"amp_stop"``,
         ``"scope 'KEY'"``, ``"registered rule"``, ``"primitive table"`` or ``"fallback"``."""
-        rule, key = self.scope_rule(scopes)
+        rule, key = self.scope_rule(scopes, prim)
         if rule is not None:
             return rule, AMP_STOP if key == AMP_STOP else f"scope {key!r}"
         found = self.policy.get(prim)

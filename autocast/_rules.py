@@ -60,6 +60,9 @@ class Rule:
         casts_only: whether the rule changes its operands only by casting them (a narrowed
             parameter's gradient may then leave its matmul in float32, :mod:`autocast._wide`).
         name: shown by :func:`autocast.explain` and in errors.
+        primitives: the names of the primitives the rule is for when a named scope maps to it
+            (None, the default: every primitive in the scope). A rule for one primitive (the
+            fused-attention switch) then leaves the scope's other equations to their own rules.
 
     Example:
         ```python
@@ -86,6 +89,7 @@ class Rule:
     role: Role = "opaque"
     casts_only: bool = False
     name: str = "rule"
+    primitives: frozenset[str] | None = None
 
     def cast(
         self,

@@ -53,6 +53,7 @@ OLD_STYLE = {
     "autocast/_attention/_roles.py",
     "autocast/_attention/_scores.py",
     "autocast/_attention/_softmax.py",
+    "autocast/_attention/_span.py",
 }
 
 # --- reading docstrings ----------------------------------------------------------------

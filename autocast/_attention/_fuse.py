@@ -1,0 +1,176 @@
+"""The rewrite in amp: each attention span `find` proves becomes one `fused_attention`
+equation, which its rule binds as a platform choice.
+
+`fuse` runs before a jaxpr is planned (`autocast._interpreter.eval_jaxpr`). For each
+`Match` whose span the policy lets fuse (the rule of `fused_attention` under the
+span's named scopes is `ATTENTION`, not `XLA_ATTENTION`; never inside `amp_stop`),
+it replaces the span's equations by one equation of `fused_attention_p` that holds the
+match and the span as a closed jaxpr (its `body`). The planner sees one opaque equation;
+its rule, `_Fused`, binds it:
+
+- a span is fused only where the cuDNN call traces (`cudnn_plan`: a machine with a CUDA
+  jaxlib and cuDNN, a deviceless compile for a GPU included); elsewhere (no cuDNN, a shape it
+  rejects) its equations stay as they are, and the program is exactly what it was;
+- the rule binds it as `lax.platform_dependent`: on CUDA the fused kernel
+  (`jax.nn.dot_product_attention(..., implementation="cudnn")` on q, k and v in the compute
+  dtype, whose residuals are q, k, v, the output and a float32 row statistic: no softmax
+  island to recompute), elsewhere the span's own equations under amp's rules.
+
+`explain` lists each attention: the kernel chosen and why, or why it was left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from .. import _compat, _dtypes, _rules
+from ._call import call, cudnn_plan
+from ._find import find
+from ._match import LeftAlone, Match
+
+fused_attention_p = _compat.Primitive("fused_attention")
+"""One attention span of a jaxpr amp evaluates (params: `match`; `plan`, the match as the
+kernel takes it, its sequences maybe padded; `body`, the span's equations; `scopes`)."""
+fused_attention_p.multiple_results = True
+
+
+def _impl(*args: Any, match: Match, plan: Match, body: Any, scopes: tuple[str, ...]) -> list[Any]:
+    return _compat.jaxpr_as_fun(body)(*args)
+
+
+def _abstract_eval(*avals: Any, match: Match, plan: Match, body: Any, scopes: tuple[str, ...]) -> list[Any]:
+    open_, _ = _compat.open_and_consts(body)
+    return [v.aval for v in open_.outvars]
+
+
+fused_attention_p.def_impl(_impl)
+fused_attention_p.def_abstract_eval(_abstract_eval)
+_compat.register_lowering(fused_attention_p, _compat.lower_fun(_impl, multiple_results=True))
+
+# Which branch the platform choice emits the fused call on, and with which implementation:
+# tests set ("cpu", "xla") to run the extracted call on this machine.
+EMIT: tuple[str, str] = ("cuda", "cudnn")
+
+
+class _Fused(_rules.Rule):
+    """The rule of `fused_attention`: the span as one fused kernel where it traces (on
+    CUDA, by `lax.platform_dependent`), its own equations under amp's rules elsewhere."""
+
+    role: _rules.Role = "opaque"
+    name = "fused_attention"
+    primitives = frozenset({"fused_attention"})
+
+    def cast(self, compute_dtype, original_dtypes, invars, params, free):
+        return list(invars), params  # the kernel casts q, k, v itself; the equations by their rules
+
+    def bind(self, ctx, eqn, arrived, cast, params, free):
+        match, plan, body, scopes = params["match"], params["plan"], params["body"], params["scopes"]
+        n = len(match.inputs)
+        flags = list(free or [False] * len(arrived))
+
+        def original(*ops: Any) -> list[Any]:
+            return ctx.without_attention().eval_closed(body, ops, flags, scopes)
+
+        platform, implementation = EMIT
+        observer = getattr(ctx, "observer", None)
+        if observer is not None and hasattr(observer, "attention"):
+            observer.attention.append((match.describe(), f"fused ({implementation}) on {platform}, else as written"))
+        quiet = ctx.without_attention()
+        quiet.observer = None  # the shapes' trace is not the program: explain sees the branch's
+        shapes = jax.eval_shape(lambda *a: quiet.eval_closed(body, a, flags, scopes), *arrived)
+
+        def fused(*ops: Any) -> list[Any]:
+            outs = call(plan, ops[:n], implementation=implementation)
+            return [o.astype(s.dtype) for o, s in zip(outs, shapes)]
+
+        return list(jax.lax.platform_dependent(*arrived, **{platform: fused}, default=original))
+
+
+class _Unfused(_rules.Rule):
+    """Map a named scope to this rule (category `xla_attention`) to keep the attention in it
+    as written: the span is not fused; the scope's other equations keep their own rules."""
+
+    role: _rules.Role = "opaque"
+    name = "xla_attention"
+    primitives = frozenset({"fused_attention"})
+
+    def cast(self, compute_dtype, original_dtypes, invars, params, free):
+        return list(invars), params
+
+
+ATTENTION = _Fused()
+XLA_ATTENTION = _Unfused()
+CATEGORIES = {"attention": ATTENTION, "xla_attention": XLA_ATTENTION}
+"""The policy categories this module adds (`autocast._policy.CATEGORIES`)."""
+
+_PLANS: dict[int, Any] = {}
+
+
+def _plan_for(match: Match) -> Match | str:
+    """`cudnn_plan` of `match`, memoised on the match (traced once per span)."""
+    key = id(match)
+    if key not in _PLANS:
+        _PLANS[key] = (match, cudnn_plan(match))
+    return _PLANS[key][1]
+
+
+def fuse(ctx: Any, jaxpr: Any, consts: Sequence[Any], scopes: tuple[str, ...]) -> Any:
+    """`jaxpr` (open) with each attention span the policy lets fuse replaced by one
+    `fused_attention` equation (`jaxpr` itself when there is none). `consts`: the
+    values of its constants (constant masks are evaluated from them)."""
+    if getattr(ctx, "attention", "xla") != "auto" or ctx.compute_dtype not in _dtypes.HALF:
+        return jaxpr
+    found = find(jaxpr, compute_dtype=ctx.compute_dtype, consts=consts)
+    if not found:
+        return jaxpr
+    observer = getattr(ctx, "observer", None)
+    eqns = list(jaxpr.eqns)
+    replaced: dict[int, Any] = {}
+    for m in found:
+        if isinstance(m, LeftAlone):
+            if observer is not None and hasattr(observer, "attention"):
+                observer.attention.append((m.describe(), "left alone"))
+            continue
+        span = [eqns[i] for i in m.eqns]
+        span_scopes = [scopes + _compat.scope_names(e.source_info.name_stack) for e in span]
+        rule = ctx.lookup.rule(fused_attention_p, span_scopes[-1])
+        why = None
+        if any(e.effects for e in span):
+            why = "an effect in the span"
+        elif any("amp_stop" in s for s in span_scopes) or rule is not ATTENTION:
+            why = f"the policy ({rule.name})"
+        else:
+            plan = m if EMIT[1] == "xla" else _plan_for(m)
+            if isinstance(plan, str):
+                why = f"no fused kernel here (cuDNN: {plan})"
+        if why is not None:
+            if observer is not None and hasattr(observer, "attention"):
+                observer.attention.append((m.describe(), f"as written: {why}"))
+            continue
+        inputs = list(m.inputs) + _free_vars(span, m.inputs)
+        body = _compat.jaxpr_of(inputs, m.outputs, span)
+        params = {"match": m, "plan": plan, "body": body, "scopes": scopes}
+        replaced[m.eqns[-1]] = _compat.new_eqn(inputs, m.outputs, fused_attention_p, params, span[-1].source_info)
+        for i in m.eqns[:-1]:
+            replaced[i] = None
+    if not replaced:
+        return jaxpr
+    new = [replaced.get(i, e) for i, e in enumerate(eqns) if replaced.get(i, e) is not None]
+    return _compat.with_eqns(jaxpr, new)
+
+
+def _free_vars(span: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
+    """The variables the span's equations read that neither the span makes nor `inputs`
+    holds (constants of the jaxpr the recogniser folded into the match): its body takes them."""
+    made = {v for e in span for v in e.outvars}
+    have = set(inputs)
+    out: list[Any] = []
+    for e in span:
+        for v in e.invars:
+            if not isinstance(v, _compat.Literal) and v not in made and v not in have:
+                have.add(v)
+                out.append(v)
+    return out
