@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from .. import _compat, _dtypes, _rules
-from ._call import call, cudnn_plan
+from ._call import call, cudnn_plan, pad_sequences
 from ._find import find
 from ._match import LeftAlone, Match
 
@@ -106,15 +106,20 @@ XLA_ATTENTION = _Unfused()
 CATEGORIES = {"attention": ATTENTION, "xla_attention": XLA_ATTENTION}
 """The policy categories this module adds (`autocast._policy.CATEGORIES`)."""
 
-_PLANS: dict[int, Any] = {}
+# (what the match is, its inputs' shapes and dtypes) -> the sequence multiple the cuDNN call
+# traces with, or the reason there is none: one trace per kind of span, not per trace of it
+_PLANS: dict[tuple, int | str] = {}
 
 
 def _plan_for(match: Match) -> Match | str:
-    """`cudnn_plan` of `match`, memoised on the match (traced once per span)."""
-    key = id(match)
+    """:func:`cudnn_plan` of ``match``, memoised on what the match is and its operands'
+    shapes and dtypes (the support query traces the cuDNN call once per kind of span)."""
+    key = (match.describe(), tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in match.inputs))
     if key not in _PLANS:
-        _PLANS[key] = (match, cudnn_plan(match))
-    return _PLANS[key][1]
+        plan = cudnn_plan(match)
+        _PLANS[key] = plan if isinstance(plan, str) else plan.seq_multiple
+    known = _PLANS[key]
+    return known if isinstance(known, str) else pad_sequences(match, known)
 
 
 def fuse(ctx: Any, jaxpr: Any, consts: Sequence[Any], scopes: tuple[str, ...]) -> Any:
