@@ -43,17 +43,6 @@ OLD_STYLE = {
     "autocast/_plan.py",
     "autocast/_policy.py",
     "autocast/_rules.py",
-    "autocast/_attention/__init__.py",
-    "autocast/_attention/_call.py",
-    "autocast/_attention/_find.py",
-    "autocast/_attention/_graph.py",
-    "autocast/_attention/_layout.py",
-    "autocast/_attention/_mask.py",
-    "autocast/_attention/_match.py",
-    "autocast/_attention/_roles.py",
-    "autocast/_attention/_scores.py",
-    "autocast/_attention/_softmax.py",
-    "autocast/_attention/_span.py",
 }
 
 # --- reading docstrings ----------------------------------------------------------------

@@ -1,74 +1,69 @@
 """Fused attention (issue 41): find attention in a jaxpr and build the equivalent
-``jax.nn.dot_product_attention`` call.
+`jax.nn.dot_product_attention` call.
 
 **What is matched.** The anchor is a softmax over one axis, in either of JAX's forms:
-the inline ``reduce_max -> max(-inf) -> sub -> exp -> reduce_sum -> div`` chain or the
-``custom_jvp_call[_softmax]`` / ``CustomJVPTraced`` of ``jax_softmax_custom_jvp``, also
-inside a ``jit``. The recogniser reads one jaxpr's top-level equations (amp calls it once
-per jaxpr it evaluates: top level, ``jit``/``checkpoint``/``scan``/custom-derivative
-bodies), seeing through the small calls a span crosses: every ``jit`` whose body has no
-matmul (``jit[_where]``, ``jit[tril]``, ``jit[softmax]``, ``jit[_bernoulli]``) and the softmax
-``custom_jvp`` are inlined (:mod:`._graph`). From the softmax's input it walks back to a
-``dot_general`` through layout equations, float converts, multiplications and divisions by
-a constant scalar (the scale), additive biases (either operand order) and ``select_n``
-against a constant fill (``jnp.where``, masks); from its output, through layout
-equations, to the ``dot_general`` with the values; after that, through transposes, and a
-``mul`` zeroing the rows past the query lengths where the original has one (``jax.nn``'s
+the inline `reduce_max -> max(-inf) -> sub -> exp -> reduce_sum -> div` chain or the
+`custom_jvp_call[_softmax]` / `CustomJVPTraced` of `jax_softmax_custom_jvp`, also
+inside a `jit`. The recogniser reads one jaxpr's top-level equations (amp calls it once
+per jaxpr it evaluates: top level, `jit`/`checkpoint`/`scan`/custom-derivative
+bodies), seeing through the small calls a span crosses: every `jit` whose body has no
+matmul (`jit[_where]`, `jit[tril]`, `jit[softmax]`, `jit[_bernoulli]`) and the softmax
+`custom_jvp` are inlined (`_graph`). From the softmax's input it walks back to a
+`dot_general` through layout equations, float converts, multiplications and divisions by
+a constant scalar (the scale), additive biases (either operand order) and `select_n`
+against a constant fill (`jnp.where`, masks); from its output, through layout
+equations, to the `dot_general` with the values; after that, through transposes, and a
+`mul` zeroing the rows past the query lengths where the original has one (`jax.nn`'s
 XLA path). q, k and v are traced back through single-reader transposes, converts,
 constant scalar factors (folded into the scale: Flax linen and Equinox scale the query)
-and a ``jnp.repeat`` of the kv heads.
+and a `jnp.repeat` of the kv heads.
 
-**How roles are proved** (:mod:`._roles`). The scores' axes are the ``q . k`` product's
+**How roles are proved** (`_roles`). The scores' axes are the `q . k` product's
 output axes: its batch axes (shared by q and k), q's free axes, k's free axis. k's one free
-axis must be the softmax axis (the keys ``S``); the contracted axis is the head dimension
-``H``; q's largest free axis is the queries ``T``, its other free axes are grouped-query heads
-``G`` (``jax.nn``'s own ``[B, T, K, G, H]`` form). The ``p . v`` product must contract exactly
+axis must be the softmax axis (the keys `S`); the contracted axis is the head dimension
+`H`; q's largest free axis is the queries `T`, its other free axes are grouped-query heads
+`G` (`jax.nn`'s own `[B, T, K, G, H]` form). The `p . v` product must contract exactly
 the keys, pair exactly the scores' batch axes with v's, keep q's free axes and leave one
-axis of v (``Hv``). Every value on the way carries an *axis map* to the scores' axes
-(:mod:`._layout`), so masks, biases, lengths and the output are moved by the transposes
+axis of v (`Hv`). Every value on the way carries an *axis map* to the scores' axes
+(`_layout`), so masks, biases, lengths and the output are moved by the transposes
 actually present. Which batch axis is the kernel's heads axis is a layout choice (q's last
 batch axis, or the repeated one); nothing is identified by position or size, so a key
 transposed "wrongly" (pytorch#195320) is rewritten as what it computes.
 
-**Mask classes** (:mod:`._mask`, :class:`MaskKind`). The masks (each ``select_n``, and each
+**Mask classes** (`_mask`, `MaskKind`). The masks (each `select_n`, and each
 constant additive bias of zeros and numbers <= -1e4 or -inf) are split into conjuncts
-through ``and``/``not``/``or`` and layout equations. A constant conjunct (it depends on no
-input: ``iota``, comparisons, ``jnp.tril``, captured arrays) is evaluated at trace time
-and becomes ``is_causal`` (exactly ``tril`` with T == S; cuDNN and XLA agree on it only
-there), ``is_causal`` + ``local_window_size=(w, 0)`` (a causal band), nothing (all true), or
-a constant ``mask=``. ``iota_S < n`` with ``n`` traced and integer is
-``key_value_seq_lengths``; ``iota_T < n`` is ``query_seq_lengths`` only where the original
-also zeroes those output rows, else a mask. Any other boolean goes to ``mask=``; traced
-additive biases (and constant ones that are not masks) to ``bias=``; both broadcast to the
-full ``T x S`` (cuDNN rejects a broadcast T or S).
+through `and`/`not`/`or` and layout equations. A constant conjunct (it depends on no
+input: `iota`, comparisons, `jnp.tril`, captured arrays) is evaluated at trace time
+and becomes `is_causal` (exactly `tril` with T == S; cuDNN and XLA agree on it only
+there), `is_causal` + `local_window_size=(w, 0)` (a causal band), nothing (all true), or
+a constant `mask=`. `iota_S < n` with `n` traced and integer is
+`key_value_seq_lengths`; `iota_T < n` is `query_seq_lengths` only where the original
+also zeroes those output rows, else a mask. Any other boolean goes to `mask=`; traced
+additive biases (and constant ones that are not masks) to `bias=`; both broadcast to the
+full `T x S` (cuDNN rejects a broadcast T or S).
 
-**What is left alone, and why** (:class:`LeftAlone` with the reason): dropout on the
-probabilities (the kernel cannot reproduce its random mask); softcapping (``tanh``); a
+**What is left alone, and why** (`LeftAlone` with the reason): dropout on the
+probabilities (the kernel cannot reproduce its random mask); softcapping (`tanh`); a
 traced scale; a second reader of the scores or the probabilities (a returned or sown
 attention map); a bias added after a mask; a fill that is not a large negative number;
-a ``-inf`` fill where a query row may be fully masked (the original gives NaN there, the
+a `-inf` fill where a query row may be fully masked (the original gives NaN there, the
 kernel would not), an additive mask or different fills there (the original's result then
 depends on the scores); masks that depend on the scores; a softmax over a query or batch
 axis; a value product that does not contract the softmax axis; head dimensions cuDNN
-rejects (not a multiple of 8, above ``max_head_dim``, q/k and v different). A fully masked
+rejects (not a multiple of 8, above `max_head_dim`, q/k and v different). A fully masked
 row of a finite fill averages the values uniformly in the original; the call sets that
-explicitly. Odd sequence lengths are padded by :func:`pad_sequences` /
-:func:`cudnn_plan` (padded keys masked, padded queries sliced off).
+explicitly. Odd sequence lengths are padded by `pad_sequences` /
+`cudnn_plan` (padded keys masked, padded queries sliced off).
 
-**Use** (the interpreter's wiring)::
+**Use.** amp's rewrite is `_fuse.fuse`, run on each jaxpr amp evaluates before it is
+planned: for each `Match` that `find` returns and the policy lets fuse, `cudnn_plan`
+gives the match to emit (its sequences maybe padded) or why there is none, and the span's
+equations become one `fused_attention` equation whose rule binds `call` on CUDA and the
+span's own equations elsewhere (`lax.platform_dependent`). `explain` lists each
+attention and what became of it: fused, or kept as written and why (a `LeftAlone`'s
+reason, the policy, or no cuDNN kernel).
 
-    for item in find(jaxpr, compute_dtype=jnp.bfloat16, consts=consts):
-        if isinstance(item, LeftAlone):
-            ...  # explain: item.describe()
-            continue
-        plan = cudnn_plan(item)  # the Match to emit (maybe padded), or why not
-        if isinstance(plan, str):
-            ...  # explain: item.describe() + plan; evaluate the equations as usual
-            continue
-        # at equation max(plan.eqns), instead of the equations plan.eqns:
-        outs = platform_dependent(plan, [env[v] for v in plan.inputs], default=original_span)
-
-The extracted call itself is :func:`call` (``implementation="xla"`` runs anywhere: the
+The extracted call itself is `call` (`implementation="xla"` runs anywhere: the
 tests compare it with the replaced equations, values and gradients).
 """
 

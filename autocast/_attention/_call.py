@@ -1,5 +1,5 @@
-"""The extracted call: a :class:`Match`'s span as one ``jax.nn.dot_product_attention``, the
-trace-time cuDNN support query, and the ``lax.platform_dependent`` that emits it."""
+"""The extracted call: a `Match`'s span as one `jax.nn.dot_product_attention`, the
+trace-time cuDNN support query, and the `lax.platform_dependent` that emits it."""
 
 from __future__ import annotations
 
@@ -21,10 +21,22 @@ _IMPLEMENTATIONS = ("xla", "cudnn")
 def call(
     match: Match, inputs: Sequence[Any], *, implementation: Literal["xla", "cudnn"] = "xla", out_dtype: Any = None
 ) -> list[Any]:
-    """The span's outputs from the values of ``match.inputs``, computed by
-    ``jax.nn.dot_product_attention(..., implementation=implementation)`` on q, k and v
-    cast to ``match.compute_dtype`` and laid out as ``[B, T, N, H]``; the result comes back
-    in the original's layout and dtype (``out_dtype`` to choose another)."""
+    """The span's outputs, computed by one `jax.nn.dot_product_attention` call.
+
+    Args:
+        match: The span.
+        inputs: The values of `match.inputs`, in order.
+        implementation: The kernel, `"xla"` (runs anywhere) or `"cudnn"`; q, k and v are
+            cast to `match.compute_dtype` and laid out as `[B, T, N, H]` for it.
+        out_dtype: The dtype of the result (None: the original's).
+
+    Returns:
+        The span's outputs (one), in the original's layout.
+
+    Raises:
+        ValueError: `implementation` is neither `"xla"` nor `"cudnn"`, or `inputs` does
+            not hold one value per `match.inputs`.
+    """
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"call(implementation={implementation!r}): one of {_IMPLEMENTATIONS} is allowed")
     if len(inputs) != len(match.inputs):
@@ -67,8 +79,8 @@ def call(
 
 
 def _operand(x: Any, axes: tuple[int, ...], n_batch: int, dtype: np.dtype) -> Any:
-    """``x`` transposed to ``[batch..., seq, heads..., H]`` and flattened to the kernel's
-    ``[B, seq, N, H]`` (for q, its group axes follow the heads axis)."""
+    """`x` transposed to `[batch..., seq, heads..., H]` and flattened to the kernel's
+    `[B, seq, N, H]` (for q, its group axes follow the heads axis)."""
     x = jnp.transpose(jnp.asarray(x), axes)
     shape = x.shape
     x = jnp.reshape(x, (math.prod(shape[:n_batch]), shape[n_batch], math.prod(shape[n_batch + 1 : -1]), shape[-1]))
@@ -102,7 +114,7 @@ def _length(side: Any, env: dict[int, Any], lay: Layout) -> Any:
 
 
 def _pad(multiple: int, q: Any, k: Any, v: Any, mask: Any, bias: Any, kv_len: Any) -> tuple[Any, ...]:
-    """Queries and keys padded to ``multiple`` (the padded keys masked by the kv lengths,
+    """Queries and keys padded to `multiple` (the padded keys masked by the kv lengths,
     the padded queries sliced off by the caller): the same computation."""
     t, s = q.shape[1], k.shape[1]
     tp, sp = -(-t // multiple) * multiple, -(-s // multiple) * multiple
@@ -152,9 +164,13 @@ def _fill_empty_rows(match: Match, out: Any, v: Any, mask: Any, kv_len: Any, q_l
 
 
 def pad_sequences(match: Match, multiple: int) -> Match:
-    """``match`` with its queries and keys padded to a multiple of ``multiple`` in the
+    """`match` with its queries and keys padded to a multiple of `multiple` in the
     kernel (masked padded keys, sliced padded queries: the same computation), for a cuDNN
-    that rejects the original lengths."""
+    that rejects the original lengths.
+
+    Raises:
+        ValueError: `multiple` is not a positive int.
+    """
     if not isinstance(multiple, int) or multiple < 1:
         raise ValueError(f"pad_sequences(multiple={multiple!r}): a positive int is allowed")
     return dataclasses.replace(match, seq_multiple=multiple)
@@ -165,7 +181,7 @@ def _avals(match: Match) -> list[jax.ShapeDtypeStruct]:
 
 
 def cudnn_error(match: Match) -> str | None:
-    """None if the cuDNN call (forward and backward) traces for ``match``'s inputs, else
+    """None if the cuDNN call (forward and backward) traces for `match`'s inputs, else
     the exception's text ("cuDNN is not detected" on a machine without cuDNN; a shape it
     rejects; ...). Tracing reads the installed cuDNN and the default backend only: a
     deviceless or CPU-only trace answers for that machine."""
@@ -190,7 +206,7 @@ def cudnn_error(match: Match) -> str | None:
 
 
 def cudnn_plan(match: Match, multiples: Sequence[int] = (1, 2, 64, 128)) -> Match | str:
-    """The match to emit for cuDNN (padded to the first multiple of ``multiples`` whose
+    """The match to emit for cuDNN (padded to the first multiple of `multiples` whose
     call traces, when the original lengths are rejected), or the reason there is none."""
     first = None
     for m in multiples:
@@ -210,10 +226,10 @@ def platform_dependent(
     default: Callable[..., Sequence[Any]],
     implementation: Literal["xla", "cudnn"] = "cudnn",
 ) -> list[Any]:
-    """``lax.platform_dependent``: the call (``implementation``) on CUDA,
-    ``default(*inputs)`` (the original equations, under amp's rules) elsewhere. The CUDA
-    branch's results take the dtypes of ``default``'s. Both branches are traced: emit it
-    only where :func:`cudnn_error` (or :func:`cudnn_plan`) said the cuDNN call traces."""
+    """`lax.platform_dependent`: the call (`implementation`) on CUDA,
+    `default(*inputs)` (the original equations, under amp's rules) elsewhere. The CUDA
+    branch's results take the dtypes of `default`'s. Both branches are traced: emit it
+    only where `cudnn_error` (or `cudnn_plan`) said the cuDNN call traces."""
     shapes = jax.eval_shape(lambda *a: list(default(*a)), *inputs)
 
     def cuda(*a: Any) -> list[Any]:

@@ -21,18 +21,25 @@ _JAXNN_FILL = float(np.float32(-0.7 * np.finfo(np.float32).max))
 def find(
     jaxpr: Any, *, compute_dtype: Any, consts: Sequence[Any] = (), max_head_dim: int = 128
 ) -> list[Match | LeftAlone]:
-    """The attention spans of ``jaxpr``'s top-level equations (nested bodies are not
-    entered, but the small ``jit`` s and softmax ``custom_jvp`` s a span crosses are).
+    """The attention spans of `jaxpr`'s top-level equations (nested bodies are not
+    entered, but the small `jit` calls and softmax `custom_jvp` calls a span crosses are).
 
-    ``jaxpr``: an open or closed jaxpr. ``consts``: values of its constants, paired with
-    ``(*constvars, *invars)`` as :func:`autocast._compat.bind_inputs` pairs them (a closed
-    jaxpr brings its own): constant masks are evaluated from them at trace time.
-    ``compute_dtype``: ``float16`` or ``bfloat16``, the dtype the kernel runs in.
-    ``max_head_dim``: the largest head dimension to accept (128; cuDNN takes 256 on Hopper
-    and later, which a trace cannot always see).
+    Args:
+        jaxpr: An open or closed jaxpr.
+        compute_dtype: `float16` or `bfloat16`, the dtype the kernel runs in.
+        consts: The values of its constants, paired with `(*constvars, *invars)` as
+            `autocast._compat.bind_inputs` pairs them (a closed jaxpr brings its own):
+            constant masks are evaluated from them at trace time.
+        max_head_dim: The largest head dimension to accept (128; cuDNN takes 256 on
+            Hopper and later, which a trace cannot always see).
 
-    Returns one :class:`Match` or :class:`LeftAlone` per softmax that reads a ``q . k``
-    product and feeds a ``p . v`` product, in program order; spans never overlap.
+    Returns:
+        One `Match` or `LeftAlone` per softmax that reads a `q . k` product and feeds a
+        `p . v` product, in program order; spans never overlap.
+
+    Raises:
+        ValueError: `compute_dtype` is not a half dtype, or `max_head_dim` is not an
+            int >= 8.
     """
     dtype = np.dtype(compute_dtype)
     if dtype.name not in _HALF:
@@ -101,7 +108,7 @@ def _one(g: Graph, sm: Softmax, dtype: np.dtype, max_head_dim: int, taken: froze
 
 
 def _feeds_product(g: Graph, p: int) -> bool:
-    """Whether the probabilities reach a ``dot_general`` within a few elementwise steps."""
+    """Whether the probabilities reach a `dot_general` within a few elementwise steps."""
     frontier, seen = [p], set()
     for _ in range(8):
         nxt: list[int] = []

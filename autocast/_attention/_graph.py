@@ -1,17 +1,17 @@
 """A jaxpr seen through its small helper calls: the recogniser's view of one jaxpr.
 
-``jnp.where`` is a ``jit[_where]``, ``jnp.tril`` a ``jit[tril]``, ``jax.nn.softmax`` a
-``custom_jvp_call[_softmax]`` (or a ``CustomJVPTraced``) when ``jax_softmax_custom_jvp`` is
-on: an attention span crosses those boundaries. :class:`Graph` inlines every ``jit`` whose
-body computes no matmul and every softmax ``custom_jvp`` into one list of first-order
-:class:`Node` s, each remembering the top-level equation it came from, with fresh integer ids
+`jnp.where` is a `jit[_where]`, `jnp.tril` a `jit[tril]`, `jax.nn.softmax` a
+`custom_jvp_call[_softmax]` (or a `CustomJVPTraced`) when `jax_softmax_custom_jvp` is
+on: an attention span crosses those boundaries. `Graph` inlines every `jit` whose
+body computes no matmul and every softmax `custom_jvp` into one list of first-order
+nodes (`Node`), each remembering the top-level equation it came from, with fresh integer ids
 for its values (a body traced once and called twice is inlined twice). Everything else
-(``jit`` bodies with matmuls, ``scan``, ``cond``, checkpoints, other custom derivatives) stays
+(`jit` bodies with matmuls, `scan`, `cond`, checkpoints, other custom derivatives) stays
 one opaque node: amp calls the recogniser once per body it evaluates.
 
 The graph also knows which values are *constants*: they depend on no input of the jaxpr
-(``iota``, literals, the jaxpr's constants when their values are given, and pure equations of
-constants). :meth:`Graph.value` evaluates one at trace time.
+(`iota`, literals, the jaxpr's constants when their values are given, and pure equations of
+constants). `Graph.value` evaluates one at trace time.
 """
 
 from __future__ import annotations
@@ -87,8 +87,10 @@ def _is_softmax_jvp(eqn: Any) -> bool:
 class Graph:
     """The inlined view of one jaxpr's top-level equations (see the module docstring).
 
-    ``known`` maps top-level variables (constants, usually) to values that the recogniser
-    may fold at trace time.
+    Args:
+        jaxpr: The open jaxpr.
+        known: Its top-level variables (constants, usually) mapped to values that the
+            recogniser may fold at trace time.
     """
 
     def __init__(self, jaxpr: Any, known: Mapping[Any, Any]):
@@ -149,7 +151,7 @@ class Graph:
         return i
 
     def _literal_node(self, lit: Lit, top: int) -> int:
-        """A value id for a literal a body returns (a ``copy`` of it)."""
+        """A value id for a literal a body returns (a `copy` of it)."""
         out = self._fresh(lit.aval)
         node = Node(jax.lax.copy_p, {}, (lit,), (out,), top)
         self.producer[out] = len(self.nodes)
@@ -224,7 +226,7 @@ class Graph:
     # --- reading ----------------------------------------------------------------------
 
     def node_of(self, atom: Atom) -> Node | None:
-        """The node that computes ``atom`` (None for an input, a constant or a literal)."""
+        """The node that computes `atom` (None for an input, a constant or a literal)."""
         if not isinstance(atom, int) or atom not in self.producer:
             return None
         return self.nodes[self.producer[atom]]
@@ -239,7 +241,7 @@ class Graph:
         return not isinstance(atom, int) or atom in self.const_ids
 
     def foldable(self, atom: Atom) -> bool:
-        """A constant that evaluates at trace time, of at most :data:`FOLD_LIMIT` elements
+        """A constant that evaluates at trace time, of at most `FOLD_LIMIT` elements
         (one whose evaluation fails is treated as traced)."""
         if not self.is_const(atom) or int(np.prod(self.shape(atom), dtype=np.int64)) > FOLD_LIMIT:
             return False
@@ -254,11 +256,11 @@ class Graph:
         return True
 
     def known(self, i: int) -> bool:
-        """Whether ``i`` has a value given to the graph (a constant of the jaxpr or a body)."""
+        """Whether `i` has a value given to the graph (a constant of the jaxpr or a body)."""
         return i in self._consts
 
     def n_readers(self, i: int) -> int:
-        """How many times ``i`` is read (by nodes, and once more if the jaxpr returns it)."""
+        """How many times `i` is read (by nodes, and once more if the jaxpr returns it)."""
         return len(self.readers.get(i, ())) + (i in self.outside)
 
     def value(self, atom: Atom) -> np.ndarray:
@@ -287,7 +289,7 @@ class Graph:
         return self._values[atom]
 
     def _const_dag(self, roots: Iterable[int]) -> set[int]:
-        """The node indices that compute ``roots`` from known values (not yet evaluated)."""
+        """The node indices that compute `roots` from known values (not yet evaluated)."""
         seen: set[int] = set()
         stack = [r for r in roots if r not in self._consts and r not in self._values]
         while stack:
@@ -303,7 +305,7 @@ class Graph:
 
 
 def evaluate(nodes: Sequence[Node], env: dict[int, Any]) -> dict[int, Any]:
-    """Evaluate ``nodes`` (first-order, in order) on ``env`` (id -> value), in place."""
+    """Evaluate `nodes` (first-order, in order) on `env` (id -> value), in place."""
     for node in nodes:
         ins = [np.asarray(a.val, dtype=a.aval.dtype) if isinstance(a, Lit) else env[a] for a in node.ins]
         for o, val in zip(node.outs, _compat.bind(node.prim, ins, node.params)):

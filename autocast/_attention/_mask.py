@@ -1,19 +1,19 @@
 """Mask and bias classification.
 
-The masks of a span (every ``select_n`` on the scores, and every constant additive bias
-made only of 0 and large negative numbers) are split into conjuncts through ``and``,
-``not``, ``or`` under negation and layout equations. Each conjunct is then:
+The masks of a span (every `select_n` on the scores, and every constant additive bias
+made only of 0 and large negative numbers) are split into conjuncts through `and`,
+`not`, `or` under negation and layout equations. Each conjunct is then:
 
 - **constant** (it depends on no input of the jaxpr): evaluated at trace time and ANDed
-  into one constant mask, which becomes ``is_causal`` (exactly ``tril`` with T == S), a
-  left window (``is_causal`` + ``local_window_size=(w, 0)``), nothing (all true), or a
-  constant ``mask=``;
-- **a length**: ``iota < n`` with the iota along the keys (``key_value_seq_lengths``) or the
-  queries (``query_seq_lengths``, used only when the original also zeroes those output
-  rows), ``n`` traced, integer and constant along every axis but the batch axes;
-- **any other traced boolean**: ``mask=``, broadcast to the full ``T x S``.
+  into one constant mask, which becomes `is_causal` (exactly `tril` with T == S), a
+  left window (`is_causal` + `local_window_size=(w, 0)`), nothing (all true), or a
+  constant `mask=`;
+- **a length**: `iota < n` with the iota along the keys (`key_value_seq_lengths`) or the
+  queries (`query_seq_lengths`, used only when the original also zeroes those output
+  rows), `n` traced, integer and constant along every axis but the batch axes;
+- **any other traced boolean**: `mask=`, broadcast to the full `T x S`.
 
-Traced additive biases (and constant ones that are not masks) go to ``bias=``.
+Traced additive biases (and constant ones that are not masks) go to `bias=`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ _PEEL = frozenset({"broadcast_in_dim", "transpose", "reshape", "squeeze", "expan
 
 
 def peel_layout(g: Graph, atom: Atom, amap: _layout.AxisMap) -> tuple[Atom, _layout.AxisMap]:
-    """``atom`` traced back through layout equations, with its axis map."""
+    """`atom` traced back through layout equations, with its axis map."""
     while (node := g.node_of(atom)) is not None and node.name in _PEEL:
         src = node.ins[0]
         if node.name == "broadcast_in_dim":
@@ -49,8 +49,8 @@ def peel_layout(g: Graph, atom: Atom, amap: _layout.AxisMap) -> tuple[Atom, _lay
 
 @dataclass
 class Length:
-    """``iota < n`` along the score axis ``axis``: ``n`` (its root after layout
-    equations) and its axis map (``side``), and the comparison itself as a mask (``leaf``)."""
+    """`iota < n` along the score axis `axis`: `n` (its root after layout
+    equations) and its axis map (`side`), and the comparison itself as a mask (`leaf`)."""
 
     axis: int
     side: Side
@@ -72,7 +72,11 @@ class Parts:
 
 
 def classify(g: Graph, scores: Scores, layout: Layout) -> Parts:
-    """Split the masks and biases of ``scores`` (raises :class:`Rejected`)."""
+    """Split the masks and biases of `scores`.
+
+    Raises:
+        Rejected: A mask or bias the call cannot reproduce (the message says which).
+    """
     rank = len(layout.lout_shape)
     parts = Parts()
     for b in scores.biases:
@@ -115,7 +119,7 @@ def _bias(g: Graph, b: Bias, rank: int, parts: Parts) -> None:
 
 
 def _conjuncts(g: Graph, atom: Atom, amap: _layout.AxisMap, positive: bool) -> list[tuple[Atom, _layout.AxisMap, bool]]:
-    """``atom`` (kept where it equals ``positive``) as a conjunction of leaves."""
+    """`atom` (kept where it equals `positive`) as a conjunction of leaves."""
     atom, amap = peel_layout(g, atom, amap)
     node = g.node_of(atom)
     if node is None:
@@ -133,8 +137,8 @@ _KEEP_LESS = {("lt", True): (0, 1), ("gt", True): (1, 0), ("ge", False): (0, 1),
 
 
 def length(g: Graph, atom: Atom, amap: _layout.AxisMap, positive: bool, layout: Layout) -> Length | None:
-    """``iota < n`` along the queries or keys, ``n`` traced and varying only along the
-    batch axes (heads excluded), as a :class:`Length`."""
+    """`iota < n` along the queries or keys, `n` traced and varying only along the
+    batch axes (heads excluded), as a `Length`."""
     node = g.node_of(atom)
     if node is None or (node.name, positive) not in _KEEP_LESS:
         return None
@@ -167,8 +171,8 @@ def length(g: Graph, atom: Atom, amap: _layout.AxisMap, positive: bool, layout: 
 
 
 def const_class(mask: np.ndarray, layout: Layout) -> tuple[MaskKind, int | None, np.ndarray | None]:
-    """A constant mask (broadcastable to the scores) as ``(kind, window, mask)``: ``NONE``,
-    ``CAUSAL``, ``CAUSAL | WINDOW`` (with the window) or ``MASK`` (with the mask)."""
+    """A constant mask (broadcastable to the scores) as `(kind, window, mask)`: `NONE`,
+    `CAUSAL`, `CAUSAL | WINDOW` (with the window) or `MASK` (with the mask)."""
     if np.all(mask):
         return MaskKind.NONE, None, None
     t_size, s_size = layout.lout_shape[layout.t], layout.lout_shape[layout.s]
@@ -191,8 +195,11 @@ def empty_rows(mask: np.ndarray, layout: Layout) -> bool:
 
 
 def finish(parts: Parts, layout: Layout, q_routed: bool) -> tuple[Mask, np.ndarray | None]:
-    """The mask class, and the constant mask the call passes (raises :class:`Rejected`
-    where the original's result cannot be reproduced)."""
+    """The mask class, and the constant mask the call passes.
+
+    Raises:
+        Rejected: The original's result cannot be reproduced (the message says why).
+    """
     kind = MaskKind.NONE
     window = None
     const = None

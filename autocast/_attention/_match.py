@@ -1,4 +1,4 @@
-"""What the recogniser reports: :class:`Match` (a span it can replace) and :class:`LeftAlone`
+"""What the recogniser reports: `Match` (a span it can replace) and `LeftAlone`
 (an attention it recognised and leaves as it is, with the reason)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from . import _graph
 
 
 class MaskKind(enum.Flag):
-    """How a match's mask reaches ``jax.nn.dot_product_attention`` (flags combine:
-    ``CAUSAL | KV_LENGTHS``). ``NONE``: no mask, or a constant mask that keeps everything."""
+    """How a match's mask reaches `jax.nn.dot_product_attention` (flags combine:
+    `CAUSAL | KV_LENGTHS`). `NONE`: no mask, or a constant mask that keeps everything."""
 
     NONE = 0
     CAUSAL = enum.auto()  # is_causal=True (a constant lower-triangular mask, T == S)
@@ -28,10 +28,10 @@ class MaskKind(enum.Flag):
 @dataclass(frozen=True)
 class Operand:
     """One of q, k, v as the rewrite reads it: the input it comes from (an index into
-    :attr:`Match.inputs`), that input's shape and dtype, and the role of each of its axes:
-    ``"B"`` (a batch axis, flattened into the kernel's batch), ``"N"`` (the heads axis),
-    ``"G"`` (a query-only axis: grouped-query heads), ``"T"`` (queries), ``"S"`` (keys),
-    ``"H"`` (the head dimension)."""
+    `Match.inputs`), that input's shape and dtype, and the role of each of its axes:
+    `"B"` (a batch axis, flattened into the kernel's batch), `"N"` (the heads axis),
+    `"G"` (a query-only axis: grouped-query heads), `"T"` (queries), `"S"` (keys),
+    `"H"` (the head dimension)."""
 
     input: int
     shape: tuple[int, ...]
@@ -46,9 +46,11 @@ class Operand:
 class Mask:
     """The mask class of a match and its data.
 
-    ``window``: the left window (keys ``t - window .. t``) with :attr:`MaskKind.WINDOW`.
-    ``may_empty``: some query row may have every key masked (the original then averages
-    all values uniformly; the call reproduces that explicitly).
+    Attributes:
+        kind: How the mask reaches the kernel (`MaskKind` flags).
+        window: The left window (keys `t - window .. t`) with `MaskKind.WINDOW`.
+        may_empty: Some query row may have every key masked (the original then averages
+            all values uniformly; the call reproduces that explicitly).
     """
 
     kind: MaskKind
@@ -68,7 +70,7 @@ class Mask:
 @dataclass(frozen=True)
 class Side:
     """A traced side value of the scores (a mask leaf, a bias, a length): its value id in
-    the match's program, its axes as axes of the scores (``-1``: a size-1 axis they lack),
+    the match's program, its axes as axes of the scores (`-1`: a size-1 axis they lack),
     and a coefficient (biases) or polarity (masks: 1.0 keeps where true, -1.0 where false)."""
 
     id: int
@@ -78,7 +80,7 @@ class Side:
 
 @dataclass(frozen=True, eq=False)
 class Layout:
-    """The axes of the scores (the ``q . k`` product's output) by role, and how the
+    """The axes of the scores (the `q . k` product's output) by role, and how the
     kernel's layout maps back to the span's output."""
 
     lout_shape: tuple[int, ...]
@@ -96,9 +98,9 @@ class Layout:
 
 @dataclass(frozen=True, eq=False)
 class Program:
-    """How the call computes its operands from the match's inputs: ``nodes`` (equations of
-    the span that compute side values, in order) evaluated on the inputs (``input_ids``)
-    and constants (``consts``)."""
+    """How the call computes its operands from the match's inputs: `nodes` (equations of
+    the span that compute side values, in order) evaluated on the inputs (`input_ids`)
+    and constants (`consts`)."""
 
     input_ids: tuple[int, ...]
     nodes: tuple[_graph.Node, ...]
@@ -117,25 +119,33 @@ class Program:
 @dataclass(frozen=True, eq=False)
 class Match:
     """An attention span the recogniser proved equal to one
-    ``jax.nn.dot_product_attention`` call.
+    `jax.nn.dot_product_attention` call.
 
-    - ``eqns``: indices of the top-level equations the rewrite replaces (sorted). Every
-      value they compute is read only among them, except ``outputs``.
-    - ``inputs``: the top-level variables whose values :func:`call` takes, in order
-      (q, k and v first). Constants the span reads are folded into the match.
-    - ``outputs``: the variables the call's results stand for (one).
-    - ``q``, ``k``, ``v``: where each comes from and the role of each axis.
-    - ``scale``: the concrete scale on the scores (folded from every constant factor on the
-      scores, q or k).
-    - ``mask``: the mask class; ``kv_heads`` and ``groups``: the kernel's kv heads and
-      query heads per kv head (grouped-query attention when ``groups > 1``).
-    - ``idiom``: what the span looks like (for ``explain``).
-    - ``compute_dtype``: the half dtype q, k and v are cast to for the kernel.
-    - ``seq_multiple``: sequences are padded to a multiple of this (see
-      :func:`~autocast._attention.pad_sequences`).
+    The emitted computation goes where the last equation of `eqns` was: every input is
+    defined before it, every reader of `outputs` after it.
 
-    The emitted computation goes where the last equation of ``eqns`` was: every input is
-    defined before it, every reader of ``outputs`` after it.
+    Attributes:
+        eqns: Indices of the top-level equations the rewrite replaces (sorted). Every
+            value they compute is read only among them, except `outputs`.
+        inputs: The top-level variables whose values `call` takes, in order (q, k and v
+            first). Constants the span reads are folded into the match.
+        outputs: The variables the call's results stand for (one).
+        q: Where the queries come from and the role of each of their axes.
+        k: The same for the keys.
+        v: The same for the values.
+        scale: The concrete scale on the scores (folded from every constant factor on
+            the scores, q or k).
+        mask: The mask class.
+        kv_heads: The kernel's kv heads.
+        groups: The kernel's query heads per kv head (grouped-query attention when
+            `groups > 1`).
+        idiom: What the span looks like (for `explain`).
+        compute_dtype: The half dtype q, k and v are cast to for the kernel.
+        out_shape: The shape of the span's output.
+        out_dtype: The dtype of the span's output.
+        layout: The axes of the scores by role (`Layout`).
+        program: How the call computes its side values from `inputs` (`Program`).
+        seq_multiple: Sequences are padded to a multiple of this (see `pad_sequences`).
     """
 
     eqns: tuple[int, ...]
@@ -157,7 +167,7 @@ class Match:
     seq_multiple: int = 1
 
     def describe(self) -> str:
-        """One line for ``explain``."""
+        """One line for `explain`."""
         heads = f"{self.kv_heads * self.groups} heads"
         if self.groups > 1:
             heads += f" on {self.kv_heads} kv heads"
@@ -172,12 +182,12 @@ class Match:
 @dataclass(frozen=True)
 class LeftAlone:
     """An attention the recogniser leaves as it is: the top-level equation of its softmax
-    (``anchor``), what it looks like (``idiom``) and why (``reason``)."""
+    (`anchor`), what it looks like (`idiom`) and why (`reason`)."""
 
     anchor: int
     idiom: str
     reason: str
 
     def describe(self) -> str:
-        """One line for ``explain``."""
+        """One line for `explain`."""
         return f"attention ({self.idiom}) left alone: {self.reason}"

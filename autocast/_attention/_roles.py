@@ -1,11 +1,11 @@
-"""Operand roles, proved from ``dot_general`` dimension numbers and the transposes present.
+"""Operand roles, proved from `dot_general` dimension numbers and the transposes present.
 
-The scores' axes are the ``q . k`` product's output axes: its batch axes (shared by q and
-k), q's free axes (the queries ``T``, and any other query-only axes: grouped-query heads
-``G``), then k's free axis, which must be the softmax axis (the keys ``S``); the one
-contracted axis is the head dimension ``H``. The ``p . v`` product must contract exactly
+The scores' axes are the `q . k` product's output axes: its batch axes (shared by q and
+k), q's free axes (the queries `T`, and any other query-only axes: grouped-query heads
+`G`), then k's free axis, which must be the softmax axis (the keys `S`); the one
+contracted axis is the head dimension `H`. The `p . v` product must contract exactly
 the keys, pair exactly the scores' batch axes with v's, and leave q's free axes and one
-axis of v (``Hv``). No axis is ever identified by its position or its size.
+axis of v (`Hv`). No axis is ever identified by its position or its size.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ H = -3  # the contracted head dimension in an operand's axis map
 
 @dataclass
 class Product:
-    """The ``q . k`` product: which operand is q, and each operand axis's score axis."""
+    """The `q . k` product: which operand is q, and each operand axis's score axis."""
 
     node: int
     q: Atom
@@ -35,8 +35,12 @@ class Product:
 
 
 def product(g: Graph, n: int, s: int) -> Product:
-    """Roles of the ``q . k`` product ``g.nodes[n]`` whose score axis ``s`` the softmax
-    normalises (raises :class:`Rejected`)."""
+    """Roles of the `q . k` product `g.nodes[n]` whose score axis `s` the softmax
+    normalises.
+
+    Raises:
+        Rejected: The product is not one whose roles can be proved (the message says why).
+    """
     node = g.nodes[n]
     (lc, rc), (lb, rb) = node.params["dimension_numbers"]
     if len(lc) != 1:
@@ -70,8 +74,8 @@ def product(g: Graph, n: int, s: int) -> Product:
 
 @dataclass
 class ValueProduct:
-    """The ``p . v`` product: v, its axis map and the output's axis map (score axes,
-    ``HV`` for v's head dimension, ``-1`` for size-1 axes)."""
+    """The `p . v` product: v, its axis map and the output's axis map (score axes,
+    `HV` for v's head dimension, `-1` for size-1 axes)."""
 
     node: int
     v: Atom
@@ -84,7 +88,7 @@ _FORWARD = frozenset({"convert_element_type", "transpose", "reshape", "squeeze",
 
 
 def value_product(g: Graph, p: int, amap: _layout.AxisMap, prod: Product) -> ValueProduct:
-    """Follow the probabilities ``p`` (axis map ``amap``) to the ``p . v`` product."""
+    """Follow the probabilities `p` (axis map `amap`) to the `p . v` product."""
     steps = []
     cur = p
     while True:
@@ -142,8 +146,8 @@ _RANDOM_BITS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "r
 
 
 def dropout_or(g: Graph, node: Node, reason: str) -> str:
-    """``"dropout on the probabilities"`` if random bits reach ``node`` or the few
-    equations after it (a keep mask), else ``reason``."""
+    """`"dropout on the probabilities"` if random bits reach `node` or the few
+    equations after it (a keep mask), else `reason`."""
     frontier, nodes = [node], []
     for _ in range(4):
         nodes += frontier
@@ -174,10 +178,10 @@ class Peeled:
 
 
 def peel(g: Graph, atom: Atom, *, scale: bool, repeat: bool, taken: frozenset[int] = frozenset()) -> Peeled:
-    """Trace ``atom`` back through ``transpose``, float ``convert_element_type``, constant
-    scalar ``mul``/``div`` (``scale``) and a ``jnp.repeat`` of one axis (``repeat``):
+    """Trace `atom` back through `transpose`, float `convert_element_type`, constant
+    scalar `mul`/`div` (`scale`) and a `jnp.repeat` of one axis (`repeat`):
     each a top-level equation whose result only the next one reads, and that no earlier
-    span holds (``taken``)."""
+    span holds (`taken`)."""
     out = Peeled(atom, tuple(range(len(g.shape(atom)))))
     while isinstance(out.src, int) and g.n_readers(out.src) == 1:
         node = g.node_of(out.src)
@@ -218,8 +222,8 @@ def peel(g: Graph, atom: Atom, *, scale: bool, repeat: bool, taken: frozenset[in
 def _repeat(
     g: Graph, reshape: Node, axes: tuple[int, ...]
 ) -> tuple[Atom, tuple[int, ...], tuple[int, int], int] | None:
-    """``reshape(broadcast_in_dim(x))`` repeating one axis of ``x`` (``jnp.repeat``): ``(x,
-    x's axes as operand axes, (operand axis, times), broadcast node)``."""
+    """`reshape(broadcast_in_dim(x))` repeating one axis of `x` (`jnp.repeat`): `(x,
+    x's axes as operand axes, (operand axis, times), broadcast node)`."""
     b = reshape.ins[0]
     bnode = g.node_of(b)
     if (

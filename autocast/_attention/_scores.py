@@ -1,9 +1,9 @@
-"""From the softmax back to the ``q . k`` product: the equations on the scores, and what
+"""From the softmax back to the `q . k` product: the equations on the scores, and what
 they do to them.
 
-:func:`paths` finds the chains of equations that lead from a ``dot_general`` to the
-softmax's input; :func:`replay` walks one forward from the product and reduces it to
-``where(keep, scale * scores + bias, fill)``: a concrete scale, additive biases, boolean
+`paths` finds the chains of equations that lead from a `dot_general` to the
+softmax's input; `replay` walks one forward from the product and reduces it to
+`where(keep, scale * scores + bias, fill)`: a concrete scale, additive biases, boolean
 masks with their fill values, and the axis map of the softmax's input. Anything else on the
 chain (a traced scale, softcapping, a bias added after a mask, a fill that is not a large
 negative number, ...) ends the replay with the reason.
@@ -43,9 +43,9 @@ _LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "broadcas
 _MAX_DEPTH = 24
 
 LARGE_NEGATIVE = -1.0e4
-"""A masked score at or below this gives ``exp(masked - row max) == 0`` exactly (float32
+"""A masked score at or below this gives `exp(masked - row max) == 0` exactly (float32
 underflows below -104) for any scores within 9,000 of each other: the same assumption
-``jax.nn.dot_product_attention`` makes with its own fill."""
+`jax.nn.dot_product_attention` makes with its own fill."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Bias:
 
 @dataclass
 class Where:
-    """``select_n`` on the scores: keep where ``pred`` is ``keep`` (else ``fill``)."""
+    """`select_n` on the scores: keep where `pred` is `keep` (else `fill`)."""
 
     pred: Atom
     amap: _layout.AxisMap
@@ -75,7 +75,7 @@ class Where:
 
 @dataclass
 class Scores:
-    """The chain reduced to ``where(keep, scale * scores + sum(coef * bias), fill)``."""
+    """The chain reduced to `where(keep, scale * scores + sum(coef * bias), fill)`."""
 
     amap: _layout.AxisMap
     dtype: np.dtype
@@ -110,7 +110,7 @@ def _size1(g: Graph, atom: Atom) -> bool:
 
 
 def paths(g: Graph, x: int) -> Iterator[tuple[int, list[Step]]]:
-    """Every ``(dot_general node, steps from its output to x)``, the likeliest first."""
+    """Every `(dot_general node, steps from its output to x)`, the likeliest first."""
     yield from _search(g, x, [], 0)
 
 
@@ -138,7 +138,11 @@ def _chain_candidates(g: Graph, node: Node) -> list[int]:
 
 
 def replay(g: Graph, steps: list[Step], product: Node) -> Scores:
-    """Walk ``steps`` forward from the product's output (raises :class:`Rejected`)."""
+    """Walk `steps` forward from the product's output.
+
+    Raises:
+        Rejected: A step the rewrite cannot reproduce (the message says which).
+    """
     out = product.outs[0]
     state = Scores(tuple(range(len(g.shape(out)))), np.dtype(g.aval(out).dtype))
     for step in steps:

@@ -1,6 +1,6 @@
 """The anchor: a softmax over one axis, in either of JAX's forms (after inlining, both read
-``reduce_max -> [max(-inf, .)] -> broadcast -> [stop_gradient] -> sub -> exp -> reduce_sum ->
-broadcast -> div``; ``jax_softmax_custom_jvp`` wraps the same body in a ``custom_jvp``)."""
+`reduce_max -> [max(-inf, .)] -> broadcast -> [stop_gradient] -> sub -> exp -> reduce_sum ->
+broadcast -> div`; `jax_softmax_custom_jvp` wraps the same body in a `custom_jvp`)."""
 
 from __future__ import annotations
 
@@ -20,18 +20,18 @@ _RESTORE = frozenset(
 
 @dataclass(frozen=True)
 class Softmax:
-    """A softmax of ``x`` over its ``axis``, giving ``p``; ``nodes``: its node indices."""
+    """A softmax of `x` over its `axis`, giving `p`; `nodes`: its node indices."""
 
     x: int
     p: int
     axis: int
     nodes: frozenset[int]
-    top: int  # the top-level equation of its ``exp``
+    top: int  # the top-level equation of its `exp`
     form: str  # "inline", or the label of the equation holding it: "custom_jvp(_softmax)", ...
 
 
 def find_softmaxes(g: Graph) -> list[Softmax]:
-    """Every softmax of ``g`` (anchored on its ``exp``)."""
+    """Every softmax of `g` (anchored on its `exp`)."""
     out = []
     for n, node in enumerate(g.nodes):
         if node.name == "exp" and not node.opaque:
@@ -42,8 +42,8 @@ def find_softmaxes(g: Graph) -> list[Softmax]:
 
 
 def _reduced_from(g: Graph, atom: Atom, reducer: str, nodes: set[int]) -> tuple[int, int] | None:
-    """If ``atom`` is ``reducer`` of some ``x`` over one axis, restored (peeling ``_RESTORE``
-    and ``max`` with a ``-inf`` constant): ``(x, axis)``."""
+    """If `atom` is `reducer` of some `x` over one axis, restored (peeling `_RESTORE`
+    and `max` with a `-inf` constant): `(x, axis)`."""
     while True:
         node = g.node_of(atom)
         if node is None:
@@ -67,8 +67,8 @@ def _reduced_from(g: Graph, atom: Atom, reducer: str, nodes: set[int]) -> tuple[
 
 
 def _transposes(g: Graph, x: int, z: int) -> tuple[int, ...] | None:
-    """``perm`` with ``x == transpose(z, perm)`` through a chain of transposes (the
-    identity for ``x == z``), else None."""
+    """`perm` with `x == transpose(z, perm)` through a chain of transposes (the
+    identity for `x == z`), else None."""
     perm = tuple(range(len(g.shape(x))))
     cur: Atom = x
     while cur != z:

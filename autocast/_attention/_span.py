@@ -24,9 +24,9 @@ def tail(
     g: Graph, out: int, amap: tuple[int, ...], q_len: _mask.Length | None, layout: Layout
 ) -> tuple[int, tuple[int, ...], list[int], bool]:
     """The span's output: the value product's, after the transposes only it reads, and
-    after a ``mul`` zeroing the rows past the query lengths of ``q_len`` (``jax.nn``'s XLA
-    path does that): ``(output id, its axis map, the equations after the product, whether
-    the rows are zeroed)``."""
+    after a `mul` zeroing the rows past the query lengths of `q_len` (`jax.nn`'s XLA
+    path does that): `(output id, its axis map, the equations after the product, whether
+    the rows are zeroed)`."""
     tail: list[int] = []
     cur = out
     while True:
@@ -48,7 +48,7 @@ def tail(
 
 
 def zeroes(g: Graph, factor: Atom, amap: tuple[int, ...], q_len: _mask.Length, layout: Layout) -> bool:
-    """Whether ``factor`` is ``convert(iota_T < n)`` for the query lengths ``q_len``."""
+    """Whether `factor` is `convert(iota_T < n)` for the query lengths `q_len`."""
     atom, famap = _mask.peel_layout(g, factor, _layout.operand(g.shape(factor), amap))
     fnode = g.node_of(atom)
     if fnode is None or fnode.name != "convert_element_type":
@@ -62,7 +62,7 @@ def zeroes(g: Graph, factor: Atom, amap: tuple[int, ...], q_len: _mask.Length, l
 
 
 def check(g: Graph, tops: set[int], out: int, sm: Softmax) -> None:
-    """Every value the equations ``tops`` compute is read only among them, but ``out``."""
+    """Every value the equations `tops` compute is read only among them, but `out`."""
     for t in sorted(tops):
         for i in g.top_outs[t]:
             if i < 0 or i == out:
