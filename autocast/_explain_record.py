@@ -1,4 +1,4 @@
-"""What ``autocast.explain`` observes while amp transforms a function: one record per equation
+"""What `autocast.explain` observes while amp transforms a function: one record per equation
 (the rule, why it applies, operand dtypes before and after, the island it belongs to, the
 float8 decision), gathered by an observer the interpreter calls around each equation."""
 
@@ -20,7 +20,7 @@ _RULE_NAMES = {rule: name for name, rule in CATEGORIES.items()} | {_rules.select
 
 @dataclasses.dataclass(frozen=True)
 class Float32Matmul:
-    """A ``dot_general`` / ``conv_general_dilated`` that does not run in the compute dtype."""
+    """A `dot_general` / `conv_general_dilated` that does not run in the compute dtype."""
 
     primitive: str
     shape: tuple[tuple[int, ...], ...]
@@ -30,14 +30,14 @@ class Float32Matmul:
     reason: str
     scopes: tuple[str, ...]
     path: tuple[str, ...]
-    """The higher-order primitives it is nested in, outermost first (``("jit(block)", "scan(4)")``)."""
+    """The higher-order primitives it is nested in, outermost first (`("jit(block)", "scan(4)")`)."""
     source: str
-    """``"path/to/file.py:LINE"``: the user line that traced it."""
+    """`"path/to/file.py:LINE"`: the user line that traced it."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Float8Matmul:
-    """A ``dot_general`` that runs as a scaled float8 product (policy ``"fp8"``)."""
+    """A `dot_general` that runs as a scaled float8 product (policy `"fp8"`)."""
 
     shape: tuple[tuple[int, ...], ...]
     """The operand shapes."""
@@ -51,8 +51,8 @@ class Float8Matmul:
     path: tuple[str, ...]
     source: str
     reason: str = ""
-    """Why the float8 rule ran it in float8, or (``Explanation.float8_declined``) why not:
-    its GEMM sizes against ``min_dim``, its operands, or the roofline of its target GPU."""
+    """Why the float8 rule ran it in float8, or (`Explanation.float8_declined`) why not:
+    its GEMM sizes against `min_dim`, its operands, or the roofline of its target GPU."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,22 +78,22 @@ class Record:
 
 
 class Observer:
-    """Collects one :class:`Record` per equation the interpreter evaluates (see
-    ``Context.observer``); keeps the stack of enclosing higher-order equations."""
+    """Collects one `Record` per equation the interpreter evaluates (see
+    `Context.observer`); keeps the stack of enclosing higher-order equations."""
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.stack: list[Any] = []
         self.starts: list[int] = []
         self.records: list[Record] = []
-        # ids of the equations a float8 rule bound in float8 (``_fp8._Float8Rule.binder``)
+        # ids of the equations a float8 rule bound in float8 (`_fp8._Float8Rule.bind`)
         # id(eqn) -> per operand, whether the backward pass quantizes it again (see _fp8)
         self.float8_eqns: dict[int, tuple[bool, ...]] = {}
         # id(eqn) -> the float8 rule's reason for binding it in float8 or not
         self.float8_why: dict[int, str] = {}
         # each attention the rewrite found: (what it is, what amp does with it)
         self.attention: list[tuple[str, str]] = []
-        # off once the program is transformed: rules JAX traces later (``jax.vjp`` below)
+        # off once the program is transformed: rules JAX traces later (`jax.vjp` in `_explain`)
         # run in copies of the context that still hold this observer
         self.active = True
 
@@ -185,14 +185,14 @@ def _dtype(x: Any) -> Any:
 
 class ExplainContext(Context):
     """A context that re-transforms every body at every call site (no cache), so each
-    call of a nested ``jit`` is observed and counted."""
+    call of a nested `jit` is observed and counted."""
 
     def cached(self, key, jaxpr_like, build):
         return build()
 
 
 def runs(names: tuple[str, ...]) -> str:
-    """``("f16", "f16", "f32")`` -> ``"f16×2 f32"``."""
+    """`("f16", "f16", "f32")` -> `"f16×2 f32"`."""
     if not names:
         return "-"
     parts: list[list[Any]] = []

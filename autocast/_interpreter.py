@@ -1,59 +1,60 @@
 """The interpreter: re-evaluate a jaxpr, equation by equation, under a casting policy.
 
 For each equation the interpreter reads its operands (as they arrive: some already in
-half precision), finds the rule (``amp_stop`` first, then named scopes outermost first,
-then the primitive, then registered rules, then ``"amp_default"``), lets the rule cast the
+half precision), finds the rule (`amp_stop` first, then named scopes outermost first,
+then the primitive, then registered rules, then `"amp_default"`), lets the rule cast the
 operands, checks what the rule returned, and binds the primitive in the equation's own
-context (source location, name stack, abstract mesh). Primitives that hold jaxprs (``jit``,
-``scan``, ``while``, ``cond``, ``checkpoint``, ``custom_jvp_call``, ``custom_vjp_call``,
-``shard_map``, ...) are not ruled on: the planner finds their handler in the table of
-:mod:`autocast._registry` (filled by :mod:`autocast._higher_order`), and the handler
-transforms their bodies with the same policy.
+context (source location, name stack, abstract mesh). Primitives that hold jaxprs (`jit`,
+`scan`, `while`, `cond`, `checkpoint`, `custom_jvp_call`, `custom_vjp_call`,
+`shard_map`, ...) are not ruled on (unless the policy names the primitive itself): the
+planner finds their handler in the table of `autocast._registry` (filled by
+`autocast._higher_order`), and the handler transforms their bodies with the same policy.
 
 Values are cast where a consumer needs it, never after a producer: a matmul result stays
 in half precision until an operation whose rule wants float32. A matmul whose result only
 float32 operations read (and no recomputed island) stores a float32 result instead, with a
-half-precision derivative (:mod:`autocast._wide`; the planner's ``wide`` set). The
+half-precision derivative (`autocast._wide`; the plan's `wide` map). The
 gradient of a free operand narrowed from float32 (a parameter) leaves its matmul in float32
-(:mod:`autocast._wide` again; ``Context.float32_cotangents``), so data-parallel and FSDP
+(`autocast._wide` again; `Context.float32_cotangents`), so data-parallel and FSDP
 gradient reductions run in float32.
 
 Sharp edges:
 
 - A value is *free* if it is a function input, a constant or a literal, or was only
   reshaped, broadcast, sliced, converted, added or subtracted from free values. Free operands adapt to
-  computed ones when an operation harmonises dtypes (``use_input_precision``): this keeps a
+  computed ones when an operation harmonises dtypes (`use_input_precision`): this keeps a
   float32 bias from dragging a half-precision activation to float32.
-- Custom derivatives (``custom_jvp`` / ``custom_vjp``): the body and the rules run in the
-  dtypes their operands arrive in, under the same policy; the user's ``bwd`` is traced in the
-  traced dtypes and re-evaluated under the same policy (``custom_vjp_bwd="amp"``, the
+- Custom derivatives (`custom_jvp` / `custom_vjp`): the body and the rules run in the
+  dtypes their operands arrive in, under the same policy; the user's `bwd` is traced in the
+  traced dtypes and re-evaluated under the same policy (`custom_vjp_bwd="amp"`, the
   default), or called as written on the residuals and cotangents as they arrive
-  (``"original"``). See :mod:`autocast._custom_derivatives`.
+  (`"original"`). See `autocast._custom_derivatives`.
 - Loop carries keep the dtype the initial value arrives in (a float32 one made from
   parameters or inputs that the body turns half starts half, as unrolled); branch outputs that differ
-  between ``cond`` branches are cast back to their traced dtype.
+  between `cond` branches are cast back to their traced dtype.
 - An elementwise operation whose results are only consumed in float32 runs in float32
-  (``_plan.py``), so ``x - max(x)`` before an ``exp`` is not rounded to half first. This
-  sees through nested bodies: outputs of ``jit``/``checkpoint``/``scan``/custom-derivative
-  bodies consumed only in float32 are computed in float32, and operands that ``jit``,
-  ``checkpoint`` and ``scan`` bodies read only in float32 are cast once, outside (see
-  :func:`autocast._plan.input_pulls`).
-- With ``remat_float32`` each contiguous run of float32 equations is evaluated inside its
-  own ``jax.checkpoint`` (an island), so their float32 results are recomputed in the
-  backward pass rather than saved (:mod:`autocast._islands`: which runs, at what cost, and
+  (`_plan.py`), so `x - max(x)` before an `exp` is not rounded to half first. This
+  sees through nested bodies: outputs of `jit`/`checkpoint`/`scan`/custom-derivative
+  bodies consumed only in float32 are computed in float32, and operands that `jit`,
+  `checkpoint` and `scan` bodies read only in float32 are cast once, outside (see
+  `autocast._plan.input_pulls`).
+- With `remat_float32` each contiguous run of float32 equations is evaluated inside its
+  own `jax.checkpoint` (an island), so their float32 results are recomputed in the
+  backward pass rather than saved (`autocast._islands`: which runs, at what cost, and
   what a recomputed island also holds).
 - A float32 result that only half-precision consumers read, through operations that
-  commute with rounding (``relu``, data movement), is rounded where it is made
-  (``_narrow``; the planner's ``narrow`` set).
+  commute with rounding (`relu`, data movement), is rounded where it is made
+  (`_narrow`; the plan's `narrow` set).
 - An operand narrowed from float32 that an elementwise operation broadcasts (a bias) is
   broadcast in float32 first, so its gradient (the transpose of the broadcast) is summed in
-  float32 (:mod:`autocast._binding`). Islands are local: an enclosing user checkpoint keeps
+  float32 (`autocast._binding`). Islands are local: an enclosing user checkpoint keeps
   its policy (an outer checkpoint policy would override nested ones).
 
-The modules: this one holds the evaluation loop (:func:`eval_jaxpr`, :func:`transform_jaxpr`);
-:mod:`autocast._plan` decides each equation's step before the loop runs;
-:mod:`autocast._binding` casts and binds one equation; :mod:`autocast._islands` evaluates the
-recomputed float32 islands; :mod:`autocast._higher_order` the equations that hold jaxprs.
+The modules: this one holds the evaluation loop (`eval_jaxpr`, `transform_jaxpr`);
+`autocast._attention._fuse` first replaces each attention span the policy lets fuse by one
+equation; `autocast._plan` decides each equation's step before the loop runs;
+`autocast._binding` casts and binds one equation; `autocast._islands` evaluates the
+recomputed float32 islands; `autocast._higher_order` the equations that hold jaxprs.
 """
 
 from __future__ import annotations
@@ -78,15 +79,15 @@ class Context:
 
     def __init__(self, compute_dtype: np.dtype, policy: Any, remat: bool | str = "auto"):
         self.compute_dtype = compute_dtype
-        # ``remat``: find float32 islands at all; ``remat_auto``: recompute only those
-        # that the cost model says pay off (see ``_worth_recomputing``).
+        # `remat`: find float32 islands at all; `remat_auto`: recompute only those
+        # that the cost model says pay off (see `_worth_recomputing`).
         self.remat = remat is not False and compute_dtype != _dtypes.FLOAT32
         self.remat_auto = remat == "auto"
-        # whether matmuls read only in float32 may store float32 results (``_wide``): not
+        # whether matmuls read only in float32 may store float32 results (`_wide`): not
         # inside a user checkpoint whose policy may save matmul results
         self.widen = True
         # whether the cotangent of a matmul operand narrowed from float32 (a parameter) is
-        # accumulated in float32 (``_wide``); off: in the compute dtype (less bandwidth)
+        # accumulated in float32 (`_wide`); off: in the compute dtype (less bandwidth)
         self.float32_cotangents = True
         # whether evaluation is inside a recomputed island's checkpoint or a user checkpoint
         # that saves nothing (a custom JVP call that computes in float32, or an island, then
@@ -95,25 +96,25 @@ class Context:
         self.lookup = Lookup(policy)
         self._jaxpr_cache: dict[Any, Any] = {}
         self._keep_alive: list[Any] = []
-        # Observation hook for ``autocast.explain`` (None otherwise): an object with
-        # ``enter(eqn)`` (before an equation is evaluated: nested bodies are evaluated until the
-        # matching call below) and ``exit(eqn, kind, rule, scopes, arrived, bound, outs, island)``
-        # (after it; ``arrived``/``bound``: operands before/after the rule; ``island``: None, or
-        # ``(marker, recomputed)`` shared by the equations of one float32 island).
+        # Observation hook for `autocast.explain` (None otherwise): an object with
+        # `enter(eqn)` (before an equation is evaluated: nested bodies are evaluated until the
+        # matching call below) and `exit(eqn, kind, rule, scopes, arrived, bound, outs, island)`
+        # (after it; `arrived`/`bound`: operands before/after the rule; `island`: None, or
+        # `(marker, recomputed)` shared by the equations of one float32 island).
         self.observer: Any = None
-        # How a custom VJP's ``bwd`` runs: "amp" (traced in the traced dtypes, re-evaluated
+        # How a custom VJP's `bwd` runs: "amp" (traced in the traced dtypes, re-evaluated
         # under this policy, as the forward) or "original" (called as written on the values as
-        # they arrive); see ``autocast._higher_order.custom_vjp``.
+        # they arrive); see `autocast._custom_derivatives.custom_vjp`.
         self.custom_vjp_bwd = "amp"
-        # For the handler of a call (``jit``, ``checkpoint``) only: which of its outputs every
-        # consumer reads in the compute dtype (see ``_plan.plan``); its body narrows them.
+        # For the handler of a call (`jit`, `checkpoint`) only: which of its outputs every
+        # consumer reads in the compute dtype (see `_plan.plan`); its body narrows them.
         self.out_narrow: Sequence[bool] | None = None
-        # Inside an autocast checkpoint (a recomputed island, ``_islands.eval_island``): the
+        # Inside an autocast checkpoint (a recomputed island, `_islands.eval_island`): the
         # variables it saves rather than recomputes (matmul results); None elsewhere. A rule
         # that binds its equation itself reads it (a float8 matmul keeps no copy of an
         # operand the backward pass recomputes anyway).
         self.checkpoint_saved: frozenset | None = None
-        # Whether attention spans are fused (``amp(attention=...)``): "auto" or "xla" (never).
+        # Whether attention spans are fused (`amp(attention=...)`): "auto" or "xla" (never).
         self.attention = "auto"
 
     def narrowing(self, out_narrow: Sequence[bool] | None) -> Context:
@@ -123,7 +124,7 @@ class Context:
         return other
 
     def without_widening(self) -> Context:
-        """This context (same caches), with ``widen`` off."""
+        """This context (same caches), with `widen` off."""
         other = copy.copy(self)
         other.widen = False
         return other
@@ -131,7 +132,7 @@ class Context:
     def without_islands(self) -> Context:
         """This context (same caches), finding no float32 islands: for a custom JVP rule,
         whose call is recomputed as a whole instead (JAX cannot linearize a checkpoint
-        inside a custom JVP rule under ``jax_remat3``)."""
+        inside a custom JVP rule under `jax_remat3`)."""
         other = copy.copy(self)
         other.remat = False
         return other
@@ -145,7 +146,7 @@ class Context:
 
     def in_checkpoint(self, saved: frozenset) -> Context:
         """This context (same caches), for the equations of an autocast checkpoint that
-        saves the variables ``saved`` (see ``checkpoint_saved``)."""
+        saves the variables `saved` (see `checkpoint_saved`)."""
         other = copy.copy(self)
         other.checkpoint_saved = frozenset(saved)
         return other
@@ -159,7 +160,7 @@ class Context:
 
     def eval_closed(self, closed: Any, args: Sequence[Any], free: Sequence[Any], scopes: tuple[str, ...]) -> list[Any]:
         """Evaluate a closed jaxpr's equations under this context (in the trace that is
-        running): what a rule's ``bind`` calls to run equations it holds as amp would."""
+        running): what a rule's `bind` calls to run equations it holds as amp would."""
         open_, consts = _compat.open_and_consts(closed)
         outs, _ = eval_jaxpr(self, open_, consts, args, free, scopes)
         return outs
@@ -183,10 +184,22 @@ def eval_jaxpr(
     out_float32: Sequence[bool] | None = None,
     out_narrow: Sequence[bool] | None = None,
 ) -> tuple[list[Any], list[bool]]:
-    """Evaluate an open jaxpr under ``ctx``; returns the outputs and their free flags.
+    """Evaluate an open jaxpr under `ctx`, in the trace that is running.
 
-    ``out_float32[i]`` says that output ``i`` will be cast to float32 by the caller (so
-    computing it in float32 costs nothing extra).
+    Args:
+        ctx: The transformation's context.
+        jaxpr: The open jaxpr.
+        consts: The values of its constants.
+        args: The values of its inputs, as they arrive (some already in half precision).
+        free: Per input, whether it is a free value (see the module docstring).
+        scopes: The named scopes around the jaxpr, outermost first.
+        out_float32: Per output, whether the caller casts it to float32 (so computing it
+            in float32 costs nothing extra).
+        out_narrow: Per output, whether every consumer reads it in the compute dtype (a
+            float32 result is then rounded where it is made).
+
+    Returns:
+        The outputs and their free flags.
     """
     env: dict[Any, tuple[Any, bool]] = {}
 
@@ -210,7 +223,7 @@ def eval_jaxpr(
 
 
 def _eval_eqns(ctx: Context, jaxpr: Any, plan: _plan.Plan, env: dict, read, scopes: tuple[str, ...]) -> None:
-    """The loop: each equation in order, or a float32 island at once (:mod:`autocast._islands`)."""
+    """The loop: each equation in order, or a float32 island at once (`autocast._islands`)."""
     eqns, steps, island = jaxpr.eqns, plan.steps, plan.island
     wide = plan.wide if ctx.widen else {}
     last_use: dict[Any, int] = {}
@@ -262,7 +275,7 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: _plan.Plan, env: dict, read, scop
 
 def _narrow(ctx: Context, eqns: Sequence[Any], narrow: set, env: dict) -> None:
     """Round the float32 results that only half-precision consumers read (see
-    :func:`autocast._plan.plan`) to the compute dtype where they are made."""
+    `autocast._plan.plan`) to the compute dtype where they are made."""
     for eqn in eqns:
         for v in eqn.outvars:
             if v in narrow and v in env:
@@ -274,8 +287,8 @@ def _narrow(ctx: Context, eqns: Sequence[Any], narrow: set, env: dict) -> None:
 
 def _eqn_source(eqn: Any) -> Any:
     """Bind in the equation's own source location, its name stack extending the current one
-    (as ``jax.core.eval_jaxpr`` does): inside JAX's backward pass (a ``custom_vjp`` backward
-    rule re-evaluated under the policy) the equations keep ``transpose(jvp(...))`` and the
+    (as `jax.core.eval_jaxpr` does): inside JAX's backward pass (a `custom_vjp` backward
+    rule re-evaluated under the policy) the equations keep `transpose(jvp(...))` and the
     scopes around the call."""
     return _compat.user_context(
         eqn.source_info.traceback, name_stack=_compat.current_name_stack() + eqn.source_info.name_stack
@@ -294,7 +307,7 @@ def _eval_eqn(
     widen: bool = False,
 ) -> None:
     """Evaluate one equation by its step, in its own context (source location, name stack,
-    abstract mesh). ``island``: None, or ``(marker, recomputed)`` shared by the equations of
+    abstract mesh). `island`: None, or `(marker, recomputed)` shared by the equations of
     one float32 island."""
     read_in = [read(v) for v in eqn.invars]
     invals = [x for x, _ in read_in]
@@ -327,7 +340,7 @@ def _eval_eqn(
             outs, out_free, bound = _apply_rule(ctx, eqn, plan, step.rule, invals, in_free, widen)
             saved = ctx.recomputed or (island and island[1])
             if len(outs) == 1 and eqn.outvars[0] in plan.statistics and saved:
-                # a row statistic: saved by the island's checkpoint (``_plan.Plan.statistics``)
+                # a row statistic: saved by the island's checkpoint (`_plan.Plan.statistics`)
                 outs = [checkpoint_name(x, _compat.SAVED_NAME) for x in outs]
     if ctx.observer is not None:
         ctx.observer.exit(eqn, step.kind, rule, eqn_scopes, invals, bound, outs, island)
@@ -337,7 +350,7 @@ def _eval_eqn(
 
 
 def _apply_rule(ctx: Context, eqn: Any, plan: _plan.Plan, rule: Any, invals: list, in_free: list, widen: bool):
-    """Cast by the rule, then bind (:mod:`autocast._binding`): ``(outs, out_free, cast operands)``."""
+    """Cast by the rule, then bind (`autocast._binding`): `(outs, out_free, cast operands)`."""
     rule, new_invals, params = _binding.cast(ctx, eqn, rule, invals, in_free)
     if eqn.primitive.name in _binding.SCATTERS:
         params = _retype_combiner(ctx, params, new_invals[0])
@@ -357,18 +370,30 @@ def transform_jaxpr(
     out_narrow: Sequence[bool] | None = None,
     closed: bool = False,
 ) -> tuple[Any, list[Any], list[bool]]:
-    """Transform a (closed or open) jaxpr for operands of ``in_dtypes``.
+    """Transform a (closed or open) jaxpr for operands of `in_dtypes` (memoised in `ctx`).
 
-    Outputs are cast to ``out_dtypes`` where given (``None`` entries: any dtype);
-    ``out_float32[i]`` says output ``i`` is consumed only in float32 (default: the outputs
-    cast to float32); ``out_narrow[i]`` that every consumer reads output ``i`` in the compute
-    dtype (a float32 result is then rounded where it is made). Returns ``(new, extra_consts, out_free)``: a closed jaxpr comes back
-    closed with ``extra_consts == []``; an open one comes back open, with any constants it
-    needs turned into leading invars and returned as ``extra_consts`` (to be passed as
-    leading operands). ``out_free`` tells which outputs are free values. ``closed``: the
-    jaxpr is a closed one by its primitive's contract (``jit``, ``scan``, ``while``,
-    ``cond``), so its new constants stay attached to it (JAX >= 0.11 has one class for both,
-    and binding such a primitive on extra operands would not match its other parameters).
+    Args:
+        ctx: The transformation's context.
+        jaxpr_like: The closed or open jaxpr.
+        in_dtypes: The dtype each input arrives in.
+        in_free: Per input, whether it is a free value.
+        scopes: The named scopes around the jaxpr, outermost first.
+        out_dtypes: The dtypes the outputs are cast to (`None` entries: any dtype; `None`:
+            no cast).
+        out_float32: Per output, whether it is consumed only in float32 (default: the
+            outputs `out_dtypes` casts to float32).
+        out_narrow: Per output, whether every consumer reads it in the compute dtype (a
+            float32 result is then rounded where it is made).
+        closed: The jaxpr is a closed one by its primitive's contract (`jit`, `scan`,
+            `while`, `cond`), so its new constants stay attached to it (JAX >= 0.11 has
+            one class for both, and binding such a primitive on extra operands would not
+            match its other parameters).
+
+    Returns:
+        `(new, extra_consts, out_free)`: a closed jaxpr comes back closed with
+            `extra_consts == []`; an open one comes back open, with any constants it
+            needs turned into leading invars and returned as `extra_consts` (to be passed
+            as leading operands). `out_free` tells which outputs are free values.
     """
     if out_float32 is None and out_dtypes is not None:
         out_float32 = [d is not None and d == _dtypes.FLOAT32 for d in out_dtypes]

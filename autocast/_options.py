@@ -1,9 +1,9 @@
-"""The options ``amp``, ``explain`` and ``find_overflow`` share: one typed, validated object.
+"""The options `amp`, `explain` and `find_overflow` share: one typed, validated object.
 
-An option is added here, once: a field of :class:`AmpOptions` (its default and type), its
-check in ``__post_init__``, its effect in :meth:`AmpOptions.context`, and its entry in
-:class:`AmpKwargs` (for type checkers). ``amp``, ``explain`` and ``find_overflow`` take
-``**options`` and list these fields as their keyword arguments (:func:`takes_amp_options`),
+An option is added here, once: a field of `AmpOptions` (its default and type), its
+check in `__post_init__`, its effect in `AmpOptions.context`, and its entry in
+`AmpKwargs` (for type checkers). `amp`, `explain` and `find_overflow` take
+`**options` and list these fields as their keyword arguments (`takes_amp_options`),
 so the three accept the same options, with the same defaults and the same errors.
 """
 
@@ -27,8 +27,8 @@ _ATTENTION = ("auto", "xla")
 
 
 class AmpKwargs(TypedDict, total=False):
-    """The keyword options of ``amp``/``explain``/``find_overflow``, for type checkers
-    (``**options: Unpack[AmpKwargs]``); the fields of :class:`AmpOptions`."""
+    """The keyword options of `amp`/`explain`/`find_overflow`, for type checkers
+    (`**options: Unpack[AmpKwargs]`); the fields of `AmpOptions`."""
 
     compute_dtype: Any
     amp_policy: Mapping | None
@@ -40,9 +40,15 @@ class AmpKwargs(TypedDict, total=False):
 
 @dataclasses.dataclass(frozen=True)
 class AmpOptions:
-    """``amp``'s options, checked and in canonical form: ``compute_dtype`` a NumPy dtype,
-    ``amp_policy`` a validated mapping (the default policy for ``None``). See
-    :func:`autocast.amp` for what each does."""
+    """`amp`'s options, checked and in canonical form: `compute_dtype` a NumPy dtype,
+    `amp_policy` a validated mapping (the default policy for `None`). See
+    `autocast.amp` for what each does.
+
+    Raises:
+        ValueError: An option's value is not allowed (the message names the option, the
+            value and what is allowed).
+        TypeError: `amp_policy` is not a policy mapping (`validate_policy`).
+    """
 
     compute_dtype: Any = jnp.float16
     amp_policy: Mapping | None = None
@@ -66,8 +72,12 @@ class AmpOptions:
 
     @classmethod
     def from_kwargs(cls, caller: str, options: Mapping[str, Any]) -> AmpOptions:
-        """The options ``caller`` (``"amp"``, ``"explain"``, ...) was given; a TypeError
-        naming any keyword that is not an option."""
+        """The options `caller` (`"amp"`, `"explain"`, ...) was given.
+
+        Raises:
+            TypeError: A keyword is not an option (the message names it and `caller`).
+            ValueError: An option's value is not allowed.
+        """
         names = [f.name for f in dataclasses.fields(cls)]
         for key in options:
             if key not in names:
@@ -78,7 +88,7 @@ class AmpOptions:
 
     @property
     def dtype(self) -> np.dtype:
-        """The compute dtype (``float16``, ``bfloat16`` or ``float32``)."""
+        """The compute dtype (`float16`, `bfloat16` or `float32`)."""
         return self.compute_dtype
 
     @property
@@ -88,7 +98,7 @@ class AmpOptions:
         return self.amp_policy
 
     def context(self, cls: type[Context] = Context) -> Context:
-        """A new interpreter context (of type ``cls``) with these options in effect."""
+        """A new interpreter context (of type `cls`) with these options in effect."""
         ctx = cls(self.dtype, self.policy, self.remat_float32)
         ctx.float32_cotangents = self.weight_grad_dtype == "float32"
         ctx.custom_vjp_bwd = self.custom_vjp_bwd
@@ -96,7 +106,7 @@ class AmpOptions:
         return ctx
 
     def as_kwargs(self) -> dict[str, Any]:
-        """The options as keyword arguments (``amp(fn, **options.as_kwargs())``)."""
+        """The options as keyword arguments (`amp(fn, **options.as_kwargs())`)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
@@ -110,9 +120,9 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def takes_amp_options(func: _F) -> _F:
-    """Give ``func``, declared with ``**options``, a signature (``inspect.signature``, the
-    API reference) that lists the fields of :class:`AmpOptions` as keyword-only arguments
-    with their defaults in place of ``**options``."""
+    """Give `func`, declared with `**options`, a signature (`inspect.signature`, the
+    API reference) that lists the fields of `AmpOptions` as keyword-only arguments
+    with their defaults in place of `**options`."""
     sig = inspect.signature(func)
     own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     assert len(own) == len(sig.parameters) - 1, f"{func.__name__} must take **options"

@@ -52,12 +52,12 @@ LINEAR = LAYOUT | {
 STOP, HIGHER, RULE = "stop", "higher", "rule"
 
 SELECTED = "selected"
-"""A pull flag (see :func:`input_pulls`): the operand is consumed only in float32, but
-only through slices or gathers that convert it themselves (``_rules.select_in_float32``):
+"""A pull flag (see `input_pulls`): the operand is consumed only in float32, but
+only through slices or gathers that convert it themselves (`_rules.select_in_float32`):
 it is handed over in the dtype it arrives in, not cast outside."""
 
-# Operations that commute with rounding to a narrower float dtype: ``op(round(x)) ==
-# round(op(x))`` for any operand values (rounding is monotone and symmetric; these only
+# Operations that commute with rounding to a narrower float dtype: `op(round(x)) ==
+# round(op(x))` for any operand values (rounding is monotone and symmetric; these only
 # move, select or compare values). A float32 value that reaches a half-precision consumer
 # only through them can be rounded first: they then run in half precision, same values.
 COMMUTES_WITH_ROUNDING = LAYOUT | {
@@ -75,25 +75,33 @@ COMMUTES_WITH_ROUNDING = LAYOUT | {
 
 
 class Step(NamedTuple):
-    """How the interpreter evaluates one equation: ``kind`` is :data:`STOP` (inside
-    ``amp_stop``: bound exactly as traced), :data:`RULE` (``rule`` casts its operands) or
-    :data:`HIGHER` (a primitive holding jaxprs: ``handler`` transforms its bodies)."""
+    """How the interpreter evaluates one equation.
+
+    Attributes:
+        kind: `STOP` (inside `amp_stop`: bound exactly as traced), `RULE` (`rule` casts
+            its operands) or `HIGHER` (a primitive that holds jaxprs, has a handler in
+            `autocast._registry` and is not named by the policy: `handler` transforms its
+            bodies).
+        rule: `RULE`: the `autocast.Rule`.
+        handler: `HIGHER`: the handler (`autocast._registry`).
+        out_float32: `HIGHER`: per output, whether every consumer reads it in float32
+            (its bodies compute it so; a dropped output counts as read so).
+        pulls: `HIGHER`: per operand, whether its bodies consume it only in float32: True
+            (cast it once, outside), False, or `SELECTED` (see `input_pulls`).
+        out_narrow: `HIGHER`: per output, whether every consumer reads it in the compute
+            dtype (its body narrows it).
+    """
 
     kind: str
     rule: Any = None
-    """RULE: the :class:`autocast.Rule`."""
     handler: Any = None
-    """HIGHER: the handler (:mod:`autocast._registry`)."""
     out_float32: Sequence[bool] = ()
-    """HIGHER: which outputs every consumer reads in float32 (its bodies compute them so)."""
     pulls: Sequence[bool | str] = ()
-    """HIGHER: which operands its bodies consume only in float32 (:func:`input_pulls`)."""
     out_narrow: Sequence[bool] = ()
-    """HIGHER: which outputs every consumer reads in the compute dtype (its body narrows them)."""
 
     @property
     def computes(self) -> bool:
-        """A rule of role ``"compute"`` (a matmul in the compute dtype)."""
+        """A rule of role `"compute"` (a matmul in the compute dtype)."""
         return self.kind == RULE and self.rule.role == "compute"
 
     def role(self) -> str | None:
@@ -102,23 +110,30 @@ class Step(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The plan of one jaxpr's evaluation (:func:`plan`), one entry per equation where a list."""
+    """The plan of one jaxpr's evaluation (`plan`).
+
+    Attributes:
+        steps: How each equation is evaluated, one `Step` per equation.
+        island: Per equation, whether it belongs to a float32 island (evaluated inside a
+            `jax.checkpoint` and recomputed in the backward pass); all False without
+            `ctx.remat`.
+        narrow: The float vars that every consumer reads in the compute dtype: a float32
+            value such a var holds (a norm's result) is rounded where it is made.
+        wide: The index of each matmul whose float results only rule equations of this
+            jaxpr read, all in float32 (not an output of the jaxpr) -> the indices of
+            those readers: it may store a float32 result (`autocast._wide`).
+        bias_sums: The `add` outputs summing a matmul result and a bias before an
+            expensive function (`_bias_sums`).
+        statistics: The `reduce_sum` outputs a recomputed island's checkpoint saves
+            (`_statistics`).
+    """
 
     steps: list[Step]
-    """How each equation is evaluated."""
     island: list[bool]
-    """Whether each equation computes in float32 (part of a float32 island)."""
     narrow: set
-    """Float vars that every consumer reads in the compute dtype: a float32 value such a var
-    holds (a norm's result) is rounded where it is made."""
     wide: dict[int, set[int]]
-    """Index of each matmul whose results only float32 operations of this jaxpr read -> the
-    indices of those readers: it may store a float32 result (:mod:`autocast._wide`)."""
     bias_sums: frozenset
-    """``add`` outputs summing a matmul result and a bias before an expensive function
-    (:func:`_bias_sums`)."""
     statistics: frozenset
-    """``reduce_sum`` outputs a recomputed island's checkpoint saves (:func:`_statistics`)."""
 
 
 class _Analysis(NamedTuple):
@@ -132,32 +147,41 @@ class _Analysis(NamedTuple):
 def plan(
     ctx: Any, jaxpr: Any, scopes: tuple[str, ...], out_float32: Sequence[bool], out_narrow: Sequence[bool] | None = None
 ) -> Plan:
-    """For each equation: how it is evaluated, with which rule, and whether it computes in
-    float32 (such equations are evaluated inside ``jax.checkpoint`` islands when
-    ``ctx.remat``: their float32 results are recomputed in the backward pass from the
-    half-precision values they came from, instead of being saved).
+    """For each equation: how it is evaluated, with which rule, and whether it belongs to a
+    float32 island (with `ctx.remat`, runs of equations that compute in float32 are
+    evaluated inside `jax.checkpoint` islands: their float32 results are recomputed in the
+    backward pass from the half-precision values they came from, instead of being saved).
 
-    ``use_input_precision`` equations whose results are only consumed in float32 (by a
+    `use_input_precision` equations whose results are only consumed in float32 (by a
     float32-rule operation, by an operation mixing them with a float32 result, or as a
-    float32 output) are switched to float32: ``x - max(x)`` in a softmax is then computed
+    float32 output) are switched to float32: `x - max(x)` in a softmax is then computed
     from the half-precision logits in float32 instead of being rounded to half first.
 
-    A higher-order equation (``jit``, ``scan``, ``custom_jvp_call``, ...) gets a
-    :data:`HIGHER` step with its handler and: which of its outputs are consumed only in
+    A higher-order equation (`jit`, `scan`, `custom_jvp_call`, ...) gets a
+    `HIGHER` step with its handler and: which of its outputs are consumed only in
     float32 (its bodies then compute them in float32 too), which operands its bodies consume
     only in float32 (from the primitive's pull rule; the interpreter casts those once,
     outside, and the outer plan counts the equation as a float32 consumer of them), and which
     of its outputs every consumer reads in the compute dtype (a call's body then narrows them
-    where they are made: ``elu``'s ``jit``).
+    where they are made: `elu`'s `jit`).
 
-    :attr:`Plan.narrow` holds the float vars that every consumer reads in the compute dtype
-    (``out_narrow``: the outputs of ``jaxpr`` that its caller's consumers read so), directly
-    (a matmul, a convolution) or through operations that commute with rounding (``relu``,
-    data movement; see :func:`narrow_inputs`). A float32 value such a var holds (a norm's
-    result) is rounded where it is made, so ``relu`` between a BatchNorm and a convolution
-    runs, and keeps its residual, in half precision. :attr:`Plan.wide`: matmuls whose
+    `Plan.narrow` holds the float vars that every consumer reads in the compute dtype
+    (`out_narrow`: the outputs of `jaxpr` that its caller's consumers read so), directly
+    (a matmul, a convolution) or through operations that commute with rounding (`relu`,
+    data movement; see `narrow_inputs`). A float32 value such a var holds (a norm's
+    result) is rounded where it is made, so `relu` between a BatchNorm and a convolution
+    runs, and keeps its residual, in half precision. `Plan.wide`: matmuls whose
     results only float32 operations of this jaxpr read may store a float32 result
-    (:mod:`autocast._wide`) instead of rounding it to half precision for nothing.
+    (`autocast._wide`) instead of rounding it to half precision for nothing.
+
+    Args:
+        ctx: The interpreter's context (its policy lookup, compute dtype and `remat`).
+        jaxpr: The open jaxpr.
+        scopes: The named scopes around it, outermost first.
+        out_float32: Per output of `jaxpr`, whether its caller consumes it only in
+            float32.
+        out_narrow: Per output of `jaxpr`, whether every consumer of its caller reads it
+            in the compute dtype (None: none).
     """
     a = _plan(ctx, jaxpr, scopes, out_float32, out_narrow)
     wide = _wide_matmuls(jaxpr, a.steps, a.wants32)
@@ -177,7 +201,7 @@ _REDUCTIONS = ("reduce_", "cum", "argmax", "argmin", "psum", "reduce_scatter")
 
 
 def _computes(eqn: Any, kind: str) -> list[str]:
-    """The primitives ``eqn`` computes: its own, or for a call (``kind`` not ``RULE``) those
+    """The primitives `eqn` computes: its own, or for a call (`kind` not `RULE`) those
     of its bodies at any depth."""
     if kind == RULE:
         return [eqn.primitive.name]
@@ -185,11 +209,11 @@ def _computes(eqn: Any, kind: str) -> list[str]:
 
 
 def _bias_sums(jaxpr: Any, steps: list) -> frozenset:
-    """The ``add`` equations' outputs that sum a matmul's result (or data movement of one)
+    """The `add` equations' outputs that sum a matmul's result (or data movement of one)
     with something else, where the sum feeds an expensive elementwise function (GELU's
-    ``tanh``, SiLU's ``logistic``) and, before the next matmul, no reduction. Such a sum,
+    `tanh`, SiLU's `logistic`) and, before the next matmul, no reduction. Such a sum,
     run in float32 inside an island, gets its bias's gradient summed apart from the island's
-    backward kernel (:func:`autocast._interpreter._bias_into_float32`); elsewhere (a loss
+    backward kernel (`autocast._binding._bias_into_float32`); elsewhere (a loss
     head, a softmax) that would only round the bias's cotangent for nothing."""
     made: set = set()
     for eqn, step in zip(jaxpr.eqns, steps):
@@ -230,7 +254,7 @@ def _bias_sums(jaxpr: Any, steps: list) -> frozenset:
     return frozenset(found)
 
 
-# A sum at least this many times smaller than its operand is a statistic (``_statistics``).
+# A sum at least this many times smaller than its operand is a statistic (`_statistics`).
 # Derived, not tuned: a norm's statistics reduce a row of d features to one value (d >= 64 in
 # every model of the tests, the corpus and the benchmarks), a softmax's sum a row of keys;
 # a sum over a small axis (heads, a batch of 2-4) is not a statistic and is recomputed. Any
@@ -240,18 +264,18 @@ _STATISTIC_FRACTION = 8
 
 
 def _statistics(jaxpr: Any, steps: list) -> frozenset:
-    """The outputs of the ``reduce_sum`` equations that a recomputed island's checkpoint
-    saves instead of recomputing: sums at least ``_STATISTIC_FRACTION`` times smaller than
+    """The outputs of the `reduce_sum` equations that a recomputed island's checkpoint
+    saves instead of recomputing: sums at least `_STATISTIC_FRACTION` times smaller than
     their float operand (a few bytes per row: a layer norm's sums for its mean and
     variance), whose operand is made without an expensive elementwise function.
 
     Saved, the backward pass recomputes the island's elementwise work from its inputs and
     these sums, in the kernels that use it, instead of reducing over the rows a second time
     (a layer norm's backward: one kernel fewer per norm). Not a sum of an expensive function
-    (a softmax's sum of ``exp``): XLA:GPU computes a softmax in one kernel, but with its sum
-    as a second result it writes the float32 ``exp`` out for the normalisation to read back
+    (a softmax's sum of `exp`): XLA:GPU computes a softmax in one kernel, but with its sum
+    as a second result it writes the float32 `exp` out for the normalisation to read back
     (the compiled ViT-Base step on the H100 target: 3.0 -> 3.9 ms forward attention). Nor a
-    ``max``: a softmax reads it only through ``stop_gradient``."""
+    `max`: a softmax reads it only through `stop_gradient`."""
     producer = {v: (eqn, step) for eqn, step in zip(jaxpr.eqns, steps) for v in eqn.outvars}
     cheap: set = set()  # values found made without an expensive function
 
@@ -328,7 +352,7 @@ def _plan(
             f32_made.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
 
     # Backward: which float vars are consumed only in float32; and which of those a slice or
-    # a gather that converts them itself reads (``selected``: they stay in the dtype they
+    # a gather that converts them itself reads (`selected`: they stay in the dtype they
     # arrive in, and so does data movement that only leads to such readers).
     wants32: dict[Any, bool] = {}
     selected: set = set()
@@ -355,12 +379,12 @@ def _plan(
             pulls = True
         elif kind == RULE and rule.role == "input":
             float_outs = [v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype)]
-            # (a ``select_n`` is exact in any dtype: it stays in the dtype its operands arrive
-            # in and its float32 readers cast its result, so a ``where`` on a half activation
-            # before ``expm1`` (``elu``) hands a half value, not a float32 copy, to the island)
+            # (a `select_n` is exact in any dtype: it stays in the dtype its operands arrive
+            # in and its float32 readers cast its result, so a `where` on a half activation
+            # before `expm1` (`elu`) hands a half value, not a float32 copy, to the island)
             if float_outs and all(wants32.get(v, False) for v in float_outs) and eqn.primitive.name != "select_n":
                 # (a slice or a gather that reads each element once takes a half operand
-                # as it arrives and converts it itself, ``_rules.select_in_float32``; data
+                # as it arrives and converts it itself, `_rules.select_in_float32`; data
                 # movement on the way to one gains nothing in float32 and stays as it is)
                 pulls = True
                 passes_on = (
@@ -392,9 +416,9 @@ def _plan(
 
 
 def reads_each_once(eqn: Any) -> bool:
-    """Whether ``eqn`` only selects a part of its operand, reading each element at most once
+    """Whether `eqn` only selects a part of its operand, reading each element at most once
     (a slice; a gather with unique indices or a single index tuple per batch element:
-    ``take_along_axis`` of one label per row): it commutes with any rounding and its
+    `take_along_axis` of one label per row): it commutes with any rounding and its
     transpose writes each cotangent element once, summing nothing."""
     name = eqn.primitive.name
     if name in ("slice", "dynamic_slice"):
@@ -417,11 +441,11 @@ def reads_each_once(eqn: Any) -> bool:
 def _islands(
     ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], narrow: set, alone: frozenset = frozenset()
 ) -> tuple[list[bool], list[int]]:
-    """Which equations are part of a float32 island; and the float32-only ``jit`` calls
-    (``_higher_order._float32_only_call``) that joined an island by themselves but are left
-    out (``alone``) when the planner asks again: those that share no operand with it (the
+    """Which equations are part of a float32 island; and the float32-only `jit` calls
+    (`_higher_order._float32_only_call`) that joined an island by themselves but are left
+    out (`alone`) when the planner asks again: those that share no operand with it (the
     island would save nothing by recomputing them), and those whose island a much wider
-    matmul reads (:func:`_widens`). ``jnp.var``'s ``_var`` in a layer norm reads the
+    matmul reads (`_widens`). `jnp.var`'s `_var` in a layer norm reads the
     activation that the norm's mean and normalisation read: it joins."""
     island = [False] * len(steps)
     by_itself: list[int] = []
@@ -469,7 +493,7 @@ def _islands(
 
 # A float32-only call stays out of an island whose result a matmul reads into an output this
 # many times larger than the call's input (an LM head's logits after the final layer norm).
-# Measured (``_widens``), with a known limit: in-block matmuls read a norm into outputs 3x
+# Measured (`_widens`), with a known limit: in-block matmuls read a norm into outputs 3x
 # (QKV), 4x (MLP), up to 8x (Gemma's GeGLU) wider and join; GPT-2's head is 65x, Gemma's 125x.
 # A head under 8x (Llama-2-7B: 32000 / 4096 = 7.8x) joins its island, and its logits-sized
 # buffer shows in the GPU peak as GPT-2's did (16.7 -> 19.9 GiB at x4, H100 target, 2026-11-25).
@@ -477,9 +501,9 @@ _WIDENING = 8
 
 
 def _widens(jaxpr: Any, steps: list, island: list[bool], i: int) -> bool:
-    """Whether the island around equation ``i`` is read by a compute-rule equation (a
-    matmul) whose float result is more than ``_WIDENING`` times the largest float operand
-    of equation ``i``. Measured, not derived: with GPT-2's final layer norm's ``_var`` in the
+    """Whether the island around equation `i` is read by a compute-rule equation (a
+    matmul) whose float result is more than `_WIDENING` times the largest float operand
+    of equation `i`. Measured, not derived: with GPT-2's final layer norm's `_var` in the
     island under its tied LM head, XLA:GPU's peak at batch x4 rose by a logits-sized buffer
     (16.7 -> 19.9 GiB); every layer norm inside the blocks (read by 3x and 4x wider matmuls)
     gains from joining."""
@@ -498,7 +522,7 @@ def _widens(jaxpr: Any, steps: list, island: list[bool], i: int) -> bool:
 
 
 def _narrowed(ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], out_narrow: Sequence[bool] | None) -> set:
-    """The float vars whose every consumer reads them in the compute dtype (see :func:`plan`)."""
+    """The float vars whose every consumer reads them in the compute dtype (see `plan`)."""
     ok: dict[Any, bool] = {}
     for v, n in zip(jaxpr.outvars, out_narrow or [False] * len(jaxpr.outvars)):
         if not isinstance(v, _compat.Literal):
@@ -526,9 +550,9 @@ def _narrowed(ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], out_na
 def narrow_inputs(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_narrow: Sequence[bool]) -> list[bool]:
     """Which inputs of a sub-jaxpr (whose invars are its equation's operands, one to one)
     reach half-precision consumers only through operations that commute with rounding,
-    given which of its outputs do; memoised per jaxpr. ``relu``'s ``custom_jvp`` body
-    (``max(x, 0)``) passes its input on: a float32 value fed to ``relu`` and then to a
-    convolution is rounded before the ``relu``."""
+    given which of its outputs do; memoised per jaxpr. `relu`'s `custom_jvp` body
+    (`max(x, 0)`) passes its input on: a float32 value fed to `relu` and then to a
+    convolution is rounded before the `relu`."""
 
     def build():
         open_, _ = _compat.open_and_consts(jaxpr_like)
@@ -548,17 +572,17 @@ _NO_RESIDUAL = LINEAR | {"gather", "dynamic_update_slice", "squeeze", "expand_di
 def input_pulls(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> list[bool | str]:
     """Which inputs of a (closed or open) sub-jaxpr are consumed only in float32, given
     which of its outputs are; memoised per jaxpr. A flag is True (cast it outside), False,
-    or :data:`SELECTED` (read in float32 only through selections that convert it: hand it
+    or `SELECTED` (read in float32 only through selections that convert it: hand it
     over as it arrives).
 
-    With ``ctx.remat`` an input counts only if nothing inside the body would have to keep
+    With `ctx.remat` an input counts only if nothing inside the body would have to keep
     it, or a value derived from it, in float32 for the backward pass: it may flow through
-    data movement and linear operations (``gather``, slices, additions, ...) to the body's
+    data movement and linear operations (`gather`, slices, additions, ...) to the body's
     outputs or into nested bodies that pull it, but not into a non-linear operation (a
     float32 island would then store the float32 value instead of the half-precision one;
-    such inputs stay half and are cast inside the body's island). ``x - mean(x)`` followed
-    by a square (a variance) keeps ``x`` half; the label gather of a cross-entropy takes
-    the logits as they arrive (:data:`SELECTED`).
+    such inputs stay half and are cast inside the body's island). `x - mean(x)` followed
+    by a square (a variance) keeps `x` half; the label gather of a cross-entropy takes
+    the logits as they arrive (`SELECTED`).
     """
 
     def build():
