@@ -1,10 +1,14 @@
 """Policies: which rule applies to which primitive or named scope.
 
-A policy is a mapping from a :class:`jax.extend.core.Primitive` or a ``jax.named_scope``
-name to a rule (see :mod:`autocast._rules`); the key ``"amp_default"`` names the rule for
+A policy is a mapping from a `jax.extend.core.Primitive` or a `jax.named_scope`
+name to a rule (see `autocast._rules`); the key `"amp_default"` names the rule for
 primitives the policy does not mention. The shipped tables are TOML files in the
-``autocast.policies`` package (``policies/`` in the repository), resolved to primitives here
-and nowhere else.
+`autocast.policies` package (`policies/` in the repository), resolved to primitives here
+and nowhere else. A table may extend another (`extends`: a shipped name or a path relative
+to its file; `_resolved_table` applies the chain, `_merge` one step of it) and list only
+its differences. Its optional `[accumulation]` section (`selects`, `exceptions`) says why
+a primitive that combines elements is not in the `float32` category; it changes no rule
+(`accumulation` reads it for `tests/test_accumulation.py`).
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ AMP_DEFAULT = "amp_default"
 AMP_STOP = "amp_stop"
 
 CATEGORIES: dict[str, _rules.Rule] = {**_rules.CATEGORIES, **_fp8.CATEGORIES, **_fuse.CATEGORIES}
-"""The rule each category name of a policy file stands for (``policies/README.md``)."""
+"""The rule each category name of a policy file stands for (`policies/README.md`)."""
 
-# Rules registered with ``register_rule``: part of the default policy, and the fallback of
+# Rules registered with `register_rule`: part of the default policy, and the fallback of
 # any user policy for a primitive it does not name.
 _REGISTRY: dict[_compat.Primitive, _rules.Rule] = {}
 
@@ -38,15 +42,16 @@ _REGISTRY: dict[_compat.Primitive, _rules.Rule] = {}
 class AmpPolicy(Mapping):
     """A read-only policy: primitive or scope name -> rule.
 
-    Build one with :func:`load_policy` or :func:`extend_policy`; a plain ``dict`` works
-    wherever a policy is taken, too. Lookups are live: ``extend_policy`` layers sit on top of
-    their base, so rules registered later with :func:`register_rule` are seen.
+    Build one with `load_policy` or `extend_policy`; a plain `dict` works
+    wherever a policy is taken, too. Lookups are live: `extend_policy` layers sit on top of
+    their base, so rules registered later with `register_rule` are seen.
 
-    Example::
-
+    Example:
+        ```python
         policy = autocast.extend_policy({jax.lax.tanh_p: autocast.use_float32_precision})
         assert isinstance(policy, autocast.AmpPolicy)
         assert policy[jax.lax.tanh_p] is autocast.use_float32_precision
+        ```
     """
 
     def __init__(self, layers: tuple[Mapping, ...], name: str, unresolved: tuple[str, ...] = ()):
@@ -76,7 +81,7 @@ class AmpPolicy(Mapping):
 
 
 def validate_policy(policy: Mapping, *, argument: str = "amp_policy") -> None:
-    """Raise a TypeError naming the first bad key or rule of ``policy``."""
+    """Raise a TypeError naming the first bad key or rule of `policy`."""
     if isinstance(policy, (str, os.PathLike)):
         raise TypeError(
             f"{argument}={policy!r}: a policy table's name or path is loaded with "
@@ -117,13 +122,13 @@ def _shipped_names() -> list[str]:
 
 
 def _is_name(source: str | os.PathLike) -> bool:
-    """Whether ``source`` names a shipped table (``"default"``) rather than a file."""
+    """Whether `source` names a shipped table (`"default"`) rather than a file."""
     return isinstance(source, str) and "/" not in source and os.sep not in source and not source.endswith(".toml")
 
 
 def _read_table(source: str | os.PathLike, folder: Any = None) -> tuple[dict[str, Any], str, Any, str]:
     """(table, origin, folder, key) of a shipped table's name or a file's path (relative to
-    ``folder`` when given): ``folder`` is where its own ``extends`` paths start from, ``key``
+    `folder` when given): `folder` is where its own `extends` paths start from, `key`
     identifies the file (to find cycles)."""
     if _is_name(source):
         resource = importlib.resources.files(_SHIPPED) / f"{source}.toml"
@@ -142,7 +147,7 @@ def _read_table(source: str | os.PathLike, folder: Any = None) -> tuple[dict[str
 def _resolved_table(
     source: str | os.PathLike, folder: Any = None, chain: tuple[str, ...] = ()
 ) -> tuple[dict[str, Any], str]:
-    """The table of ``source`` with its ``extends`` chain applied (see :func:`_merge`), and
+    """The table of `source` with its `extends` chain applied (see `_merge`), and
     its origin."""
     table, origin, here, key = _read_table(source, folder)
     if key in chain:
@@ -167,9 +172,10 @@ def _resolved_table(
 
 
 def _merge(base: Mapping[str, Any], table: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` (a resolved table) extended by ``table``: each primitive ``table`` lists
+    """`base` (a resolved table) extended by `table`: each primitive `table` lists
     moves into its category (out of the base's), its scopes are set over the base's, its
-    ``fallback`` and ``description`` replace the base's; ``name`` is its own."""
+    `fallback` and `description` replace the base's, its `[accumulation]` `selects` join
+    the base's and its `exceptions` are set over the base's; `name` is not inherited."""
     moved = {n for names in table.get("primitives", {}).values() for n in names}
     prims = {cat: [n for n in names if n not in moved] for cat, names in base.get("primitives", {}).items()}
     for cat, names in table.get("primitives", {}).items():
@@ -236,10 +242,18 @@ def table_categories(table: Mapping[str, Any], origin: str) -> tuple[dict[str, l
 
 
 def accumulation(source: str | os.PathLike = "default") -> tuple[frozenset[str], dict[str, str]]:
-    """The ``[accumulation]`` table of a policy file (its ``extends`` chain applied): the
-    primitives that combine elements only by selecting one (exact in any precision), and
-    those that accumulate outside float32 under it, each with the reason
-    (``tests/test_accumulation.py`` reads it)."""
+    """The `[accumulation]` section of a policy file, its `extends` chain applied (each
+    table's `selects` joined, its `exceptions` set over the base's); it changes no rule
+    (`tests/test_accumulation.py` reads it).
+
+    Args:
+        source: A shipped policy's name or the path of a TOML file.
+
+    Returns:
+        `(selects, exceptions)`: the primitives that combine elements only by selecting
+            one (exact in any precision), and those that accumulate outside float32 under
+            the table, each mapped to the reason.
+    """
     table, origin = _resolved_table(source)
     table_categories(table, origin)
     acc = table.get("accumulation", {})
@@ -247,21 +261,35 @@ def accumulation(source: str | os.PathLike = "default") -> tuple[frozenset[str],
 
 
 def load_policy(source: str | os.PathLike = "default") -> AmpPolicy:
-    """Load a policy table: a shipped one by name (``"default"``, ``"matmul_only"``,
-    ``"fp8"``) or a TOML file by path. See ``policies/README.md`` for the format; a table
-    may ``extends`` another (a shipped name or a path relative to its file) and list only
-    its differences.
+    """Load a policy table: a shipped one by name (`"default"`, `"matmul_only"`,
+    `"fp8"`) or a TOML file by path. See `policies/README.md` for the format; a table
+    may extend another (`extends = "default"`: a shipped name, or a path relative to its
+    file) and list only its differences.
 
-    Rules registered with :func:`register_rule` take precedence over the table.
+    Rules registered with `register_rule` take precedence over the table.
 
-    **Arguments:** `source`: `"default"`, `"matmul_only"`, `"fp8"`, or the path of a TOML file.
+    Args:
+        source: `"default"`, `"matmul_only"`, `"fp8"`, or the path of a TOML file.
 
-    **Returns:** an `AmpPolicy`.
+    Returns:
+        An `AmpPolicy`; the primitive names this JAX version does not define are in its
+            `unresolved`.
 
-    Example::
+    Raises:
+        ValueError: `source` is a name (no `/`, no `.toml`) that is not a shipped
+            policy, or a table of its `extends` chain is not a valid policy: no
+            `schema = 1`, an unknown top-level key, category or fallback, a primitive in
+            two categories, a malformed `[accumulation]` section, or an `extends` that is
+            not a shipped name or an existing file, or makes a cycle (the message names
+            the file). A file that is not TOML raises `tomllib.TOMLDecodeError`, a
+            `ValueError` too.
+        FileNotFoundError: The file at `source` does not exist.
 
+    Example:
+        ```python
         policy = autocast.load_policy("matmul_only")
         loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+        ```
     """
     table, origin = _resolved_table(source)
     prims, scopes, fallback = table_categories(table, origin)
@@ -285,13 +313,28 @@ def load_policy(source: str | os.PathLike = "default") -> AmpPolicy:
 
 
 def extend_policy(rules: Mapping[PolicyKey, _rules.Rule], base: Mapping | None = None) -> AmpPolicy:
-    """A policy that is ``base`` (the default policy if omitted) with ``rules`` on top.
+    """A policy that is `base` (the default policy if omitted) with `rules` on top.
 
-    Example::
+    Nothing is copied: the result looks `rules` up first, then `base`'s layers.
 
+    Args:
+        rules: Primitive or named-scope name -> rule (an `autocast.Rule` or a function
+            `rule(compute_dtype, original_dtypes, *invars, **params)`).
+        base: The policy underneath (None: `default_amp_policy`).
+
+    Returns:
+        An `AmpPolicy` named after `base` (`"default+extended"`).
+
+    Raises:
+        TypeError: A key of `rules` or `base` is neither a primitive nor a string, or a
+            rule is not callable (the message names it).
+
+    Example:
+        ```python
         policy = autocast.extend_policy({"attention": autocast.use_float32_precision,
                                          jax.lax.tanh_p: autocast.use_float32_precision})
         loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+        ```
     """
     validate_policy(rules, argument="rules")
     base = default_amp_policy if base is None else base
@@ -301,24 +344,40 @@ def extend_policy(rules: Mapping[PolicyKey, _rules.Rule], base: Mapping | None =
 
 
 def register_rule(primitive: _compat.Primitive, rule: _rules.Rule | None = None) -> Any:
-    """Register ``rule`` for ``primitive`` globally, once (usable as a decorator).
+    """Register `rule` for `primitive` globally, once (usable as a decorator).
 
-    The rule becomes part of :data:`default_amp_policy` (overriding the shipped table) and
-    applies under any policy that does not name ``primitive`` itself. Use it for
-    third-party primitives, e.g. one made with ``jax.extend.core.Primitive``::
+    The rule becomes part of `default_amp_policy` (overriding the shipped table) and
+    applies under any policy that does not name `primitive` itself. Use it for
+    third-party primitives, e.g. one made with `jax.extend.core.Primitive`.
 
-        @autocast.register_rule(my_kernel_p)
-        def _(compute_dtype, original_dtypes, *invars, **params):
-            return autocast.use_compute_precision(compute_dtype, original_dtypes, *invars, **params)
+    Args:
+        primitive: The primitive.
+        rule: An `autocast.Rule` or a function
+            `rule(compute_dtype, original_dtypes, *invars, **params) -> (invars, params)`;
+            omitted, `register_rule(primitive)` is a decorator that registers the
+            function it decorates.
 
-    Example::
+    Returns:
+        `rule` (or, without it, the decorator).
 
+    Raises:
+        TypeError: `primitive` is not a jax Primitive, or `rule` is not callable.
+
+    Example:
+        ```python
         from jax.extend.core import Primitive
 
         my_kernel_p = Primitive("my_kernel")  # a third-party primitive
         autocast.register_rule(my_kernel_p, autocast.use_compute_precision)
         assert autocast.default_amp_policy[my_kernel_p] is autocast.use_compute_precision
+
+        @autocast.register_rule(my_kernel_p)  # as a decorator, with a rule of your own
+        def my_kernel_rule(compute_dtype, original_dtypes, *invars, **params):
+            return autocast.use_float32_precision(compute_dtype, original_dtypes, *invars, **params)
+
+        assert autocast.default_amp_policy[my_kernel_p] is my_kernel_rule
         autocast.unregister_rule(my_kernel_p)
+        ```
     """
     if not isinstance(primitive, _compat.Primitive):
         raise TypeError(f"register_rule: primitive={primitive!r} is not a jax Primitive (e.g. jax.lax.exp_p).")
@@ -331,31 +390,34 @@ def register_rule(primitive: _compat.Primitive, rule: _rules.Rule | None = None)
 
 
 def unregister_rule(primitive: _compat.Primitive) -> None:
-    """Remove a rule added with :func:`register_rule` (no error if there is none).
+    """Remove a rule added with `register_rule` (no error if there is none).
 
-    **Arguments:** `primitive`: a `jax.extend.core.Primitive` given to `register_rule`.
+    Args:
+        primitive: A `jax.extend.core.Primitive` given to `register_rule`.
 
-    **Returns:** `None`.
+    Returns:
+        `None`.
 
-    Example::
-
+    Example:
+        ```python
         from jax.extend.core import Primitive
 
         my_kernel_p = Primitive("my_kernel")
         autocast.register_rule(my_kernel_p, autocast.use_float32_precision)
         autocast.unregister_rule(my_kernel_p)
         assert my_kernel_p not in autocast.default_amp_policy
+        ```
     """
     _REGISTRY.pop(primitive, None)
 
 
 default_amp_policy: AmpPolicy = load_policy("default")
-"""The shipped default policy (``policies/default.toml``) plus registered rules."""
+"""The shipped default policy (`policies/default.toml`) plus registered rules."""
 
 
 class Lookup:
     """Rule lookup for one policy: scopes (outermost first), primitive, registry, default.
-    Rules come back as :class:`autocast.Rule` objects (a plain function wrapped once)."""
+    Rules come back as `autocast.Rule` objects (a plain function wrapped once)."""
 
     def __init__(self, policy: Mapping):
         self.policy = policy
@@ -365,8 +427,8 @@ class Lookup:
     def scope_rule(
         self, scopes: tuple[str, ...], prim: _compat.Primitive | None = None
     ) -> tuple[_rules.Rule | None, str | None]:
-        """The rule of the outermost scope that maps ``prim`` (a scope's rule for some
-        primitives only, ``Rule.primitives``, maps no other), and the scope's key."""
+        """The rule of the outermost scope that maps `prim` (a scope's rule for some
+        primitives only, `Rule.primitives`, maps no other), and the scope's key."""
         if AMP_STOP in scopes:
             return _rules.use_original_precision, AMP_STOP
         for scope in scopes:
@@ -378,7 +440,7 @@ class Lookup:
         return None, None
 
     def explicit(self, prim: _compat.Primitive) -> bool:
-        """Whether the policy (or the registry) names ``prim`` itself."""
+        """Whether the policy (or the registry) names `prim` itself."""
         return prim in self.policy or prim in _REGISTRY
 
     def rule(self, prim: _compat.Primitive, scopes: tuple[str, ...]) -> _rules.Rule:
@@ -391,8 +453,8 @@ class Lookup:
         return self.default if found is None else _rules.as_rule(found)
 
     def rule_and_reason(self, prim: _compat.Primitive, scopes: tuple[str, ...]) -> tuple[_rules.Rule, str]:
-        """:meth:`rule` and why it applies (for ``autocast.explain``): ``"amp_stop"``,
-        ``"scope 'KEY'"``, ``"registered rule"``, ``"primitive table"`` or ``"fallback"``."""
+        """`rule` and why it applies (for `autocast.explain`): `"amp_stop"`,
+        `"scope 'KEY'"`, `"registered rule"`, `"primitive table"` or `"fallback"`."""
         rule, key = self.scope_rule(scopes, prim)
         if rule is not None:
             return rule, AMP_STOP if key == AMP_STOP else f"scope {key!r}"

@@ -1,23 +1,45 @@
 """Casting rules: what an equation's operands are cast to before it is bound, and how.
 
-A rule is a :class:`Rule`. Called, it has the protocol of jaxamp (which autocast keeps, so
-jaxamp rules and plain functions work unchanged)::
+A rule is a `Rule`. Called, it has the protocol of jaxamp (which autocast keeps, so
+jaxamp rules and plain functions work unchanged):
 
-    rule(compute_dtype, original_dtypes, *invars, **bind_params) -> (invars, bind_params)
+```text
+rule(compute_dtype, original_dtypes, *invars, **bind_params) -> (invars, bind_params)
+```
 
-``compute_dtype`` is the half-precision dtype given to :func:`autocast.amp`;
-``original_dtypes`` are the dtypes the operands had when the function was traced (all
-float32 for a float32 model); ``invars`` are the operands as they arrive now (some may
-already be in half precision); ``bind_params`` are the primitive's parameters. A rule
+`compute_dtype` is the half-precision dtype given to `autocast.amp`;
+`original_dtypes` are the dtypes the operands had when the function was traced (all
+float32 for a float32 model); `invars` are the operands as they arrive now (some may
+already be in half precision); `bind_params` are the primitive's parameters. A rule
 returns the operands to bind with and the parameters; it must return as many operands as
-it got, may change only float16/bfloat16/float32 operands, and only to a floating dtype.
-A plain function with that protocol is a rule too: a policy may hold one, and the
-interpreter wraps it (:func:`as_rule`).
+it got, may change only float16/bfloat16/float32 operands, and only to a floating dtype
+(`autocast._binding` checks). A plain function with that protocol is a rule too: a policy
+may hold one, and the interpreter wraps it (`as_rule`) as an opaque rule.
 
-Beyond the call, a :class:`Rule` declares what the planner may assume about it (``role``,
-``casts_only``) and may bind its equation itself (``bind``: a float8 matmul, a fused
-attention kernel). The built-in rules, :mod:`autocast._fp8`'s float8 rule and the attention
-rewrite are all ``Rule`` objects; none carries attributes beyond the class's.
+Beyond the call, a `Rule` has (attributes set on its class, or per instance for a wrapped
+function):
+
+- `role`: what the planner (`autocast._plan`) may assume about its equation (a `Role`:
+  it runs in the compute dtype, in float32, follows its operands' dtypes, ...;
+  `"opaque"`, the default: nothing);
+- `casts_only`: whether it changes its operands only by casting them; the binder
+  (`autocast._binding`) then lets a narrowed parameter's gradient leave its matmul in
+  float32 (`autocast._wide`);
+- `primitives`: the names of the primitives it is for when a named scope maps to it
+  (None, the default: every primitive in the scope); the policy lookup
+  (`autocast._policy.Lookup.scope_rule`) leaves the scope's other equations to their own
+  rules;
+- `name`: shown by `autocast.explain`, in errors and as its repr;
+- `cast(compute_dtype, original_dtypes, invars, params, free)`: what the interpreter calls
+  to cast an equation's operands, with their free flags (by default the call protocol
+  above; the call calls `cast` in turn, so a subclass overrides one of the two);
+- `bind(ctx, eqn, arrived, cast, params, free)`: binds the equation itself and returns
+  its outputs (a float8 matmul, a fused attention kernel), or None, the default, to have
+  the interpreter bind it on the cast operands.
+
+The built-in rules below (functions made `Rule` objects with their role),
+`select_in_float32`, `autocast._fp8`'s float8 rules and the attention rewrite's rules
+(`autocast._attention._fuse`) are all `Rule` objects.
 
 Rules never change integers, booleans, PRNG keys, float64 or complex values: the helpers
 here skip them.
@@ -37,30 +59,34 @@ import numpy as np
 from . import _compat, _dtypes
 
 Role = Literal["compute", "float32", "input", "widest", "original", "as_is", "convert", "select_float32", "opaque"]
-"""What the planner may assume about a rule's equation (:attr:`Rule.role`)."""
+"""What the planner may assume about a rule's equation (`Rule.role`)."""
 
 Cast = tuple[list[Any], dict[str, Any]]
 
 
 class Rule:
-    """A casting rule (see the module docstring for the call protocol).
+    """A casting rule: called as `rule(compute_dtype, original_dtypes, *invars, **params)`,
+    it returns `(invars, params)` to bind with (the call protocol, see
+    [Policies and rules](../policies.md)).
 
     Subclass it for a rule the planner should know more about, or that binds its equation
-    itself; override :meth:`cast` (or ``__call__``, which calls :meth:`cast` by default).
+    itself; override `cast` or `__call__` (each calls the other by default).
 
     Attributes:
-        role: what the planner may assume. ``"compute"``: the equation runs in the compute
+        role: What the planner may assume. `"compute"`: the equation runs in the compute
             dtype, reading and making half-precision values (a matmul: the planner rounds
             float32 values that only such equations read, and may store a float32 result
-            where only float32 operations read it). ``"float32"``: it computes in float32.
-            ``"input"``: it follows the dtypes its operands arrive in (the planner may
+            where only float32 operations read it). `"float32"`: it computes in float32.
+            `"input"`: it follows the dtypes its operands arrive in (the planner may
             switch it to float32 where only float32 operations read its result).
-            ``"widest"``, ``"original"``, ``"as_is"``, ``"convert"``: as the built-in rules
-            of those names. ``"opaque"`` (default): nothing is assumed.
-        casts_only: whether the rule changes its operands only by casting them (a narrowed
-            parameter's gradient may then leave its matmul in float32, :mod:`autocast._wide`).
-        name: shown by :func:`autocast.explain` and in errors.
-        primitives: the names of the primitives the rule is for when a named scope maps to it
+            `"widest"`, `"original"`, `"as_is"`, `"convert"`: as the built-in rules
+            of those names. `"select_float32"`: the planner's own rule for a selection
+            read in float32 (`select_in_float32`). `"opaque"` (default): nothing is
+            assumed.
+        casts_only: Whether the rule changes its operands only by casting them (a narrowed
+            parameter's gradient may then leave its matmul in float32, `autocast._wide`).
+        name: Shown by `autocast.explain` and in errors.
+        primitives: The names of the primitives the rule is for when a named scope maps to it
             (None, the default: every primitive in the scope). A rule for one primitive (the
             fused-attention switch) then leaves the scope's other equations to their own rules.
 
@@ -99,8 +125,20 @@ class Rule:
         params: dict[str, Any],
         free: Sequence[Any] | None,
     ) -> Cast:
-        """The operands to bind with and the parameters. ``free[i]`` says operand ``i`` is a
-        function input, a constant, a literal or only moved from them (None: unknown)."""
+        """Cast an equation's operands: what the interpreter calls.
+
+        Args:
+            compute_dtype: The half-precision dtype given to `autocast.amp`.
+            original_dtypes: The dtypes the operands had when the function was traced.
+            invars: The operands as they arrive.
+            params: The primitive's parameters.
+            free: Per operand, whether it is a function input, a constant, a literal or
+                only moved from them (None: unknown).
+
+        Returns:
+            The operands to bind with and the parameters (by default, what the call
+                protocol returns).
+        """
         with _free_operands(free):
             return self(compute_dtype, original_dtypes, *invars, **params)
 
@@ -113,10 +151,21 @@ class Rule:
         params: dict[str, Any],
         free: Sequence[Any] | None,
     ) -> list[Any] | None:
-        """Bind the equation itself and return its outputs, or None (the default) to have the
-        interpreter bind ``eqn.primitive`` on the cast operands. ``arrived``: the operands
-        before :meth:`cast`; ``cast``: what it returned; ``ctx``: the interpreter's context
-        (``ctx.checkpoint_saved``: inside an autocast checkpoint, the values it saves)."""
+        """Bind the equation itself (a float8 matmul, a fused attention kernel).
+
+        Args:
+            ctx: The interpreter's context (`ctx.checkpoint_saved`: inside an autocast
+                checkpoint, the values it saves).
+            eqn: The equation.
+            arrived: The operands before `cast`.
+            cast: The operands `cast` returned.
+            params: The parameters `cast` returned.
+            free: Per operand, whether it is a free value (as for `cast`).
+
+        Returns:
+            The equation's outputs, or None (the default) to have the interpreter bind
+                `eqn.primitive` on the cast operands.
+        """
         return None
 
     def __call__(self, compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **params: Any) -> Cast:
@@ -126,8 +175,8 @@ class Rule:
         return self.name
 
 
-# While a rule runs: which operands are free (see ``Rule.cast``), so that a plain function
-# rule that delegates to a built-in one (``use_input_precision``) gets the same answer.
+# While a rule runs: which operands are free (see `Rule.cast`), so that a plain function
+# rule that delegates to a built-in one (`use_input_precision`) gets the same answer.
 _FREE: contextvars.ContextVar[Sequence[Any] | None] = contextvars.ContextVar("free_operands", default=None)
 
 
@@ -170,7 +219,7 @@ _WRAPPED: dict[Any, Rule] = {}
 
 
 def as_rule(rule: Any) -> Rule:
-    """``rule`` as a :class:`Rule`: itself, or a callable with the call protocol wrapped
+    """`rule` as a `Rule`: itself, or a callable with the call protocol wrapped
     (once per callable) as an opaque rule."""
     if isinstance(rule, Rule):
         return rule
@@ -212,16 +261,18 @@ def _with_preferred(params: dict[str, Any], dtype: Any) -> dict[str, Any]:
 def use_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     """Float operands in the compute dtype (matmuls, convolutions).
 
-    A ``preferred_element_type`` becomes the compute dtype too, so the result is stored in
+    A `preferred_element_type` becomes the compute dtype too, so the result is stored in
     half precision (XLA still accumulates in float32 on GPUs and TPUs).
 
-    **Returns:** the operands to bind with and the parameters (the rule protocol, see
-    [Policies and rules](../policies.md)).
+    Returns:
+        The operands to bind with and the parameters (the rule protocol, see
+            [Policies and rules](../policies.md)).
 
-    Example::
-
+    Example:
+        ```python
         policy = autocast.extend_policy({jax.lax.cumsum_p: autocast.use_compute_precision})
         loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+        ```
     """
     idx = _castable_pairs(original_dtypes, invars)
     return _cast_all(invars, idx, compute_dtype), _with_preferred(params, compute_dtype)
@@ -231,12 +282,14 @@ def use_compute_precision(compute_dtype, original_dtypes, *invars, **params):
 def use_float32_precision(compute_dtype, original_dtypes, *invars, **params):
     """Float operands in float32; the result stays float32 (exp/log, reductions, ...).
 
-    **Returns:** the operands to bind with and the parameters (the rule protocol).
+    Returns:
+        The operands to bind with and the parameters (the rule protocol).
 
-    Example::
-
+    Example:
+        ```python
         policy = autocast.extend_policy({jax.lax.tanh_p: autocast.use_float32_precision})
         loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+        ```
     """
     idx = _castable_pairs(original_dtypes, invars)
     return _cast_all(invars, idx, _dtypes.FLOAT32), _with_preferred(params, _dtypes.FLOAT32)
@@ -245,7 +298,7 @@ def use_float32_precision(compute_dtype, original_dtypes, *invars, **params):
 class _SelectInFloat32(Rule):
     """The planner's float32 rule for a slice or a gather that reads each element of its
     operand at most once and whose every reader computes in float32 (the label logit of a
-    cross-entropy); not a policy category. Its :meth:`bind` takes a half-precision operand
+    cross-entropy); not a policy category. Its `bind` takes a half-precision operand
     through a custom JVP: the result is selected from the operand's float32 conversion (the
     very value the other float32 readers of the operand convert to, so XLA's excess precision
     cannot give the two paths different roundings), but the tangent is selected in half
@@ -286,12 +339,14 @@ select_in_float32 = _SelectInFloat32()
 def use_original_precision(compute_dtype, original_dtypes, *invars, **params):
     """Every operand back in the dtype it had when the function was traced.
 
-    **Returns:** the operands to bind with and the parameters (the rule protocol).
+    Returns:
+        The operands to bind with and the parameters (the rule protocol).
 
-    Example::
-
+    Example:
+        ```python
         policy = autocast.extend_policy({"head": autocast.use_original_precision})  # a named scope
         loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+        ```
     """
     out = list(invars)
     for i in _castable_pairs(original_dtypes, invars):
@@ -303,12 +358,14 @@ def use_original_precision(compute_dtype, original_dtypes, *invars, **params):
 def use_widest_precision(compute_dtype, original_dtypes, *invars, **params):
     """Mixed float operands promoted to the widest of their current dtypes.
 
-    **Returns:** the operands to bind with and the parameters (the rule protocol).
+    Returns:
+        The operands to bind with and the parameters (the rule protocol).
 
-    Example::
-
+    Example:
+        ```python
         policy = autocast.extend_policy({jax.lax.add_p: autocast.use_widest_precision})
         loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+        ```
     """
     idx = _castable_pairs(original_dtypes, invars)
     if not idx:
@@ -323,16 +380,18 @@ def use_input_precision(compute_dtype, original_dtypes, *invars, **params):
 
     Operands that were computed decide: if they all arrive in one dtype, that dtype is
     used and free operands (parameters, inputs, constants, and values only reshaped or
-    broadcast from them) are cast to it, so ``x16 + bias32`` and ``x16 * 0.5`` stay in half
+    broadcast from them) are cast to it, so `x16 + bias32` and `x16 * 0.5` stay in half
     precision. Computed operands of different dtypes are promoted to the widest, so a
-    float32 statistic is never rounded to half precision (``x16 - mean32`` runs in float32).
+    float32 statistic is never rounded to half precision (`x16 - mean32` runs in float32).
 
-    **Returns:** the operands to bind with and the parameters (the rule protocol).
+    Returns:
+        The operands to bind with and the parameters (the rule protocol).
 
-    Example::
-
+    Example:
+        ```python
         policy = autocast.extend_policy({jax.lax.exp_p: autocast.use_input_precision})
         loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+        ```
     """
     idx = _castable_pairs(original_dtypes, invars)
     if len(idx) < 2:
@@ -348,27 +407,32 @@ def use_input_precision(compute_dtype, original_dtypes, *invars, **params):
 def use_as_is(compute_dtype, original_dtypes, *invars, **params):
     """No casting at all (operands of independent dtypes: sort keys and values, barriers).
 
-    **Returns:** the operands unchanged and the parameters (the rule protocol).
+    Returns:
+        The operands unchanged and the parameters (the rule protocol).
 
-    Example::
-
+    Example:
+        ```python
         policy = autocast.extend_policy({jax.lax.sort_p: autocast.use_as_is})
         loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+        ```
     """
     return list(invars), params
 
 
 def use_precision(dtype: Any) -> Rule:
-    """A rule that casts the float operands to ``dtype`` (float16, bfloat16 or float32).
+    """A rule that casts the float operands to `dtype` (float16, bfloat16 or float32).
 
-    **Arguments:** `dtype`: float16, bfloat16 or float32 (a dtype or its name).
+    Args:
+        dtype: `float16`, `bfloat16` or `float32` (a dtype or its name).
 
-    **Returns:** a rule with the rule protocol.
+    Returns:
+        A rule with the rule protocol.
 
-    Example::
-
+    Example:
+        ```python
         policy = autocast.extend_policy({"rms_norm": autocast.use_precision(jnp.float32)})
         loss = autocast.amp(loss_fn, amp_policy=policy)(params, batch)
+        ```
     """
     target = _dtypes.canonical_compute_dtype(dtype, argument="dtype")
 
@@ -382,7 +446,7 @@ def use_precision(dtype: Any) -> Rule:
 
 @_builtin("convert")
 def convert_element_type_rule(compute_dtype, original_dtypes, *invars, **params):
-    """``astype``: a float32 -> float32 conversion (weak type to strong type) follows its
+    """`astype`: a float32 -> float32 conversion (weak type to strong type) follows its
     input's current dtype; an explicit cast to another dtype is kept."""
     (x,) = invars
     new = params.get("new_dtype")

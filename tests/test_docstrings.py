@@ -35,11 +35,7 @@ MODULES = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py"))
 # converted (the test fails for a listed module that no longer needs to be listed); once
 # the set is empty, drop the converter (docs/griffe_docstrings.py) and Sybil's `Example::`
 # parser (conftest.py).
-OLD_STYLE = {
-    # converted later (the lead's files)
-    "autocast/_policy.py",
-    "autocast/_rules.py",
-}
+OLD_STYLE: set[str] = set()
 
 # --- reading docstrings ----------------------------------------------------------------
 
