@@ -265,8 +265,8 @@ def use_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     half precision (XLA still accumulates in float32 on GPUs and TPUs).
 
     Returns:
-        The operands to bind with and the parameters (the rule protocol, see
-            [Policies and rules](../policies.md)).
+        (tuple[list, dict]): The operands to bind with and the parameters (the rule
+            protocol, see [Policies and rules](../policies.md)).
 
     Example:
         ```python
@@ -283,7 +283,7 @@ def use_float32_precision(compute_dtype, original_dtypes, *invars, **params):
     """Float operands in float32; the result stays float32 (exp/log, reductions, ...).
 
     Returns:
-        The operands to bind with and the parameters (the rule protocol).
+        (tuple[list, dict]): The operands to bind with and the parameters (the rule protocol).
 
     Example:
         ```python
@@ -340,7 +340,7 @@ def use_original_precision(compute_dtype, original_dtypes, *invars, **params):
     """Every operand back in the dtype it had when the function was traced.
 
     Returns:
-        The operands to bind with and the parameters (the rule protocol).
+        (tuple[list, dict]): The operands to bind with and the parameters (the rule protocol).
 
     Example:
         ```python
@@ -359,7 +359,7 @@ def use_widest_precision(compute_dtype, original_dtypes, *invars, **params):
     """Mixed float operands promoted to the widest of their current dtypes.
 
     Returns:
-        The operands to bind with and the parameters (the rule protocol).
+        (tuple[list, dict]): The operands to bind with and the parameters (the rule protocol).
 
     Example:
         ```python
@@ -385,7 +385,7 @@ def use_input_precision(compute_dtype, original_dtypes, *invars, **params):
     float32 statistic is never rounded to half precision (`x16 - mean32` runs in float32).
 
     Returns:
-        The operands to bind with and the parameters (the rule protocol).
+        (tuple[list, dict]): The operands to bind with and the parameters (the rule protocol).
 
     Example:
         ```python
@@ -408,7 +408,7 @@ def use_as_is(compute_dtype, original_dtypes, *invars, **params):
     """No casting at all (operands of independent dtypes: sort keys and values, barriers).
 
     Returns:
-        The operands unchanged and the parameters (the rule protocol).
+        (tuple[list, dict]): The operands unchanged and the parameters (the rule protocol).
 
     Example:
         ```python
