@@ -7,7 +7,7 @@ so the multi-device examples run on a laptop. Semantics (docs/contributing.md):
 * ``<!-- invisible-code-block: python ... -->`` is hidden setup that runs in that order;
 * ``<!-- skip: next -->`` skips the next block, which must begin with a comment line that
   says why (``tests/test_docs.py`` checks that, and how many there are);
-* docstrings in ``autocast/``: ```python blocks and ``Example::`` literal blocks run, one
+* docstrings in ``autocast/``: their ```python blocks (an ``Example:`` section's) run, one
   namespace per module, pre-filled by ``_docstring_namespace`` with a small model
   (``loss_fn(params, batch)``, ``params``, ``batch``, ``model``, ``optim``, ...) and the
   compat modules as ``jmp``, ``mpx`` and ``jaxamp``.
@@ -16,48 +16,13 @@ Bash, shell, TOML and ``text`` blocks (output transcripts) are not executed.
 """
 
 import os
-import re
-import textwrap
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # added to other flags
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from sybil import Lexeme, Region, Sybil  # noqa: E402
-from sybil.evaluators.python import PythonEvaluator  # noqa: E402
+from sybil import Sybil  # noqa: E402
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser  # noqa: E402
-
-
-class LiteralExampleParser:
-    """Sybil parser for docstring ``Example::`` literal blocks: the indented block after it is Python."""
-
-    evaluator = PythonEvaluator()
-
-    def __call__(self, document):
-        text = document.text
-        for match in re.finditer(r"^([ \t]*)Example::[ \t]*$", text, re.M):
-            indent = len(match.group(1))
-            pos = match.end() + 1
-            end = pos
-            while pos < len(text):
-                nl = text.find("\n", pos)
-                nl = len(text) if nl < 0 else nl
-                line = text[pos:nl]
-                if line.strip() and len(line) - len(line.lstrip()) <= indent:
-                    break
-                pos = nl + 1
-                if line.strip():
-                    end = pos
-            if end <= match.end() + 1:
-                continue
-            source = textwrap.dedent(text[match.end() + 1 : end]).strip("\n") + "\n"
-            lead = len(text[match.end() + 1 : end]) - len(text[match.end() + 1 : end].lstrip("\n"))
-            yield Region(
-                match.end() + 1,
-                end,
-                parsed=Lexeme(source, offset=0, line_offset=1 + lead),
-                evaluator=self.evaluator,
-            )
 
 
 def _docstring_namespace(namespace):
@@ -117,7 +82,7 @@ _markdown = Sybil(
     name="docs",
 )
 _docstrings = Sybil(
-    parsers=[PythonCodeBlockParser(), LiteralExampleParser(), SkipParser()],
+    parsers=[PythonCodeBlockParser(), SkipParser()],
     patterns=["autocast/**/*.py", "autocast/*.py"],
     setup=_docstring_namespace,
     name="docstrings",

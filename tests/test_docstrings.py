@@ -2,9 +2,9 @@
 
 The style is Google's (`Args:`, `Returns:`, `Raises:`, `Example:` sections; examples as
 fenced ```python blocks inside the section), which mkdocstrings renders without a
-converter (docs/contributing.md, "Docstrings"). During the transition the modules in
-`OLD_STYLE` still use the old markup (`**Arguments:**` bullets, `Example::` blocks, Sphinx
-roles, ``double`` backticks), which docs/griffe_docstrings.py converts at build time.
+converter (docs/contributing.md, "Docstrings"). The old markup (`**Arguments:**` bullets,
+`Example::` blocks, Sphinx roles, ``double`` backticks) is gone from every module; nothing
+converts or runs it any more, so it must not come back.
 
 Checked for every function, method and class of `autocast/` (private ones too), read
 with `ast` (nothing is executed but the imports that give a class its constructor):
@@ -13,7 +13,7 @@ with `ast` (nothing is executed but the imports that give a class its constructo
   constructor's or its dataclass fields; a class's `Attributes:` are its attributes);
 - a Google section header is one griffe parses (a blank line above, none below), an
   `Args:` entry is `name: text`, and continuation lines are indented as griffe reads them;
-- a module uses the old markup only if `OLD_STYLE` lists it, and a module it lists does.
+- no module uses the old markup.
 """
 
 from __future__ import annotations
@@ -30,12 +30,6 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "autocast"
 MODULES = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py"))
-
-# Modules still in the old markup. Converted later: remove each one here as it is
-# converted (the test fails for a listed module that no longer needs to be listed); once
-# the set is empty, drop the converter (docs/griffe_docstrings.py) and Sybil's `Example::`
-# parser (conftest.py).
-OLD_STYLE: set[str] = set()
 
 # --- reading docstrings ----------------------------------------------------------------
 
@@ -368,14 +362,12 @@ def test_docstrings_name_only_real_parameters(path):
     assert not problems, "\n".join(problems)
 
 
-def test_only_the_listed_modules_use_the_old_markup():
-    unlisted = {p: old_markup((ROOT / p).read_text()) for p in MODULES if p not in OLD_STYLE}
-    unlisted = {p: found for p, found in unlisted.items() if found}
-    assert not unlisted, "old docstring markup (convert it to Google style, docs/contributing.md):\n" + "\n".join(
-        f"{p}:{line}" for p, found in unlisted.items() for line in found
+def test_no_module_uses_the_old_markup():
+    found = {p: old_markup((ROOT / p).read_text()) for p in MODULES}
+    found = {p: lines for p, lines in found.items() if lines}
+    assert not found, "old docstring markup (write it in Google style, docs/contributing.md):\n" + "\n".join(
+        f"{p}:{line}" for p, lines in found.items() for line in lines
     )
-    stale = sorted(p for p in OLD_STYLE if not (ROOT / p).exists() or not old_markup((ROOT / p).read_text()))
-    assert not stale, f"converted (or gone): remove from OLD_STYLE in tests/test_docstrings.py: {stale}"
 
 
 # --- the checker finds what it should ----------------------------------------------------
