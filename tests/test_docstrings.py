@@ -10,7 +10,8 @@ Checked for every function, method and class of `autocast/` (private ones too), 
 with `ast` (nothing is executed but the imports that give a class its constructor):
 
 - each parameter a docstring names, in either style, is in the signature (a class: its
-  constructor's or its dataclass fields; a class's `Attributes:` are its attributes);
+  constructor's or its dataclass fields; a class's `Attributes:` are its attributes,
+  those its `__init__` sets on `self` included);
 - a Google section header is one griffe parses (a blank line above, none below), an
   `Args:` entry is `name: text`, and continuation lines are indented as griffe reads them;
 - no module uses the old markup.
@@ -229,15 +230,54 @@ def _signature_names(obj: object) -> set[str]:
     return {star.get(p.kind, "") + p.name for p in params}
 
 
+def _init_attributes(init: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The attributes `__init__` sets on its instance: `self.x = ...`, `self.x: T = ...`,
+    `self.x += ...`, `self.a, self.b = ...` anywhere in its body (nested functions and
+    classes excepted: their `self` is another object)."""
+    args = [*init.args.posonlyargs, *init.args.args]
+    if not args:
+        return set()
+    me = args[0].arg
+    names: set[str] = set()
+
+    def targets(t: ast.expr) -> None:
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == me:
+            names.add(t.attr)
+        elif isinstance(t, ast.Tuple | ast.List):
+            for elt in t.elts:
+                targets(elt)
+        elif isinstance(t, ast.Starred):
+            targets(t.value)
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
+                continue
+            if isinstance(child, ast.Assign):
+                for t in child.targets:
+                    targets(t)
+            elif isinstance(child, ast.AnnAssign | ast.AugAssign):
+                targets(child.target)
+            visit(child)
+
+    visit(init)
+    return names
+
+
 def _class_params(module: str, qualname: str, node: ast.ClassDef) -> tuple[set[str], set[str]]:
-    """(constructor parameters and dataclass fields, attribute names) of a class."""
+    """(constructor parameters and dataclass fields, attribute names) of a class. Its
+    attributes: class-level annotations and assignments, methods and properties, what its
+    `__init__` sets on `self`, and at run time what `dir` lists."""
     params: set[str] = set()
     attrs: set[str] = set()
     for stmt in node.body:
         if isinstance(stmt, ast.FunctionDef) and stmt.name == "__init__":
             params |= _function_params(stmt) - {"self"}
+            attrs |= _init_attributes(stmt)
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
             attrs.add(stmt.target.id)
+        if isinstance(stmt, ast.Assign):
+            attrs |= {t.id for t in stmt.targets if isinstance(t, ast.Name)}
         if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
             attrs.add(stmt.name)  # properties
     cls = _runtime(module, qualname)
@@ -458,6 +498,45 @@ def test_the_checker_finds_old_bullets_and_google_entries():
         ["Scaler", "documents parameter `factor`, which it does not take (it takes ['growth', 'patience'])"],
         ["Scaler", "documents attribute `counter`, which it does not have"],
         ["Scaler.method", "documents parameter `y`, which it does not take (it takes ['self', 'x'])"],
+    ]
+
+
+def test_the_checker_counts_what_init_sets_as_attributes():
+    source = '''
+    class Report:
+        """x.
+
+        Args:
+            records: The records.
+
+        Attributes:
+            rows: Set in `__init__`.
+            totals: Annotated there.
+            first: Unpacked there.
+            second: Unpacked there.
+            count: Incremented there.
+            limit: A class attribute.
+            helper_value: Set by a nested function, on another object.
+        """
+
+        limit = 3
+
+        def __init__(me, records):
+            me.rows = [r for r in records]
+            me.totals: dict = {}
+            (me.first, me.second), other = (1, 2), 3
+            me.count = 0
+            me.count += 1
+
+            def helper(self):
+                self.helper_value = 1
+    '''
+    found = [p.split(": ", 2)[1:] for p in _problems(source)]
+    assert found == [["Report", "documents attribute `helper_value`, which it does not have"]]
+    without_rows = source.replace("me.rows = [r for r in records]", "pass")
+    assert [p.split(": ", 2)[2] for p in _problems(without_rows)] == [
+        "documents attribute `rows`, which it does not have",
+        "documents attribute `helper_value`, which it does not have",
     ]
 
 
