@@ -164,11 +164,31 @@ def _as_dict(m: Any) -> dict[str, Any]:
 
 
 class Explanation:
-    """What `amp` does to a function: made by `autocast.explain`, which says what it holds.
+    """What `amp` does to a function: made by `autocast.explain`.
 
-    Read its attributes `rows` (one per group of equations), `totals`, `float32_matmuls`,
-    `float8_matmuls` and `float8_declined` (the float8 rule's decisions, with reasons) and
-    `compute_dtype`. `print(explanation)` shows a table (`rich` when installed).
+    `print(explanation)` shows a table (`rich` when installed); `to_dict` and
+    `to_markdown` export it.
+
+    Attributes:
+        compute_dtype: The compute dtype's name (`"float16"`, `"bfloat16"` or `"float32"`).
+        rows: One dict per group of equations (same scope, nesting, primitive, dtypes, rule
+            and reason): `scope`, `nesting`, `primitive`, `count`, `operands` (their dtypes
+            before → after the rule), `result`, `rule`, `why`.
+        totals: A dict: `matmul_flops`, `intermediate_bytes`, `saved_bytes` (for the
+            backward pass) and `backward_matmul_bytes` (what the backward pass's matmuls
+            write), each `{"amp": ..., "float32": ...}` by dtype (the last two None where
+            JAX cannot differentiate the function); `casts_inserted`; `float32_islands`
+            and `islands_recomputed`; `custom_vjp_bwd` (`count`, `mode`); `float16_sums`;
+            `attention` (each attention found: `attention`, `kernel`). See
+            `autocast.explain`.
+        float32_matmuls: Every matmul / convolution (any depth) whose operands are not in
+            the compute dtype (float8 matmuls excepted), with its `primitive`, `shape`,
+            `dtype`, `reason`, `scopes`, `path` and `source` line.
+        float8_matmuls: Every matmul that runs as a scaled float8 product: its `shape`,
+            `count` (loop trips multiplied in), `bytes_saved` (residual bytes), `scopes`,
+            `path`, `source` and `reason`.
+        float8_declined: Every matmul a float8 rule was given and left in the compute
+            dtype, with its `reason`.
 
     Example:
         ```python
@@ -207,8 +227,6 @@ class Explanation:
             for r in records
             if r.primitive in _walk.MATMULS and r.after and r.after[0] != _walk.dtype_name(half) and not r.float8
         ]
-        """Every matmul / convolution (any depth) whose operands are not in the compute dtype
-        (float8 matmuls excepted: see `float8_matmuls`)."""
         self.float8_matmuls: list[Float8Matmul] = [
             Float8Matmul(
                 r.shapes,
@@ -224,13 +242,11 @@ class Explanation:
             for r in records
             if r.float8
         ]
-        """Every matmul that runs as a scaled float8 product, with the residual bytes it saves."""
         self.float8_declined: list[Float8Matmul] = [
             Float8Matmul(r.shapes, r.mult, 0, r.scopes, r.path, r.source, r.float8_why)
             for r in records
             if r.float8_why and not r.float8
         ]
-        """Every matmul a float8 rule was given and left in the compute dtype, with its reason."""
 
     # --- output ------------------------------------------------------------------------
 

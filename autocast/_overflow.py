@@ -37,11 +37,21 @@ _REARRANGING = COMMUTES_WITH_ROUNDING | {"argmax", "argmin", "device_put", "dyna
 class Finding:
     """One equation where half precision breaks (see `autocast.find_overflow`).
 
-    Its fields: `kind` (`"overflow"`, `"nan"` or `"underflow"`), `primitive`, `source`,
-    `scopes`, `path`, the value ranges in half precision and float32 (`half_range`,
-    `float32_range`), the half-precision `dtype`, the number of elements affected (`count`),
-    whether it is in the backward pass (`backward`) and a one-line `suggestion`;
     `str(finding)` prints all of it.
+
+    Attributes:
+        primitive: The name of the equation's primitive.
+        kind: `"overflow"` (inf), `"nan"` or `"underflow"` (flushed to zero).
+        source: `"path/to/file.py:LINE"`: the user line that traced the equation.
+        scopes: The named scopes around it, outermost first.
+        path: The higher-order primitives it is nested in, outermost first
+            (`("jit(f)", "scan(4)")`).
+        half_range: (min, max) of the half-precision result.
+        float32_range: (min, max) of the equation-local float32 reference.
+        dtype: The half-precision dtype of the result.
+        count: How many elements broke.
+        backward: Whether the equation is in the backward pass (`grad=True`).
+        suggestion: What to do about it, in one line.
 
     Example:
         ```python
@@ -55,22 +65,14 @@ class Finding:
 
     primitive: str
     kind: str
-    """`"overflow"` (inf), `"nan"` or `"underflow"` (flushed to zero)."""
     source: str
-    """`"path/to/file.py:LINE"`: the user line that traced the equation."""
     scopes: tuple[str, ...]
     path: tuple[str, ...]
-    """Enclosing higher-order primitives, outermost first (`("jit(f)", "scan(4)")`)."""
     half_range: tuple[float, float]
-    """(min, max) of the half-precision result."""
     float32_range: tuple[float, float]
-    """(min, max) of the equation-local float32 reference."""
     dtype: str
-    """The half-precision dtype of the result."""
     count: int
-    """How many elements broke."""
     backward: bool
-    """Whether the equation is in the backward pass (`grad=True`)."""
     suggestion: str
 
     def __str__(self) -> str:
