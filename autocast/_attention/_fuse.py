@@ -112,8 +112,8 @@ _PLANS: dict[tuple, int | str] = {}
 
 
 def _plan_for(match: Match) -> Match | str:
-    """:func:`cudnn_plan` of ``match``, memoised on what the match is and its operands'
-    shapes and dtypes (the support query traces the cuDNN call once per kind of span)."""
+    """`cudnn_plan` of `match`, memoised on what the match is and its operands' shapes and
+    dtypes (the support query traces the cuDNN call once per kind of span)."""
     key = (match.describe(), tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in match.inputs))
     if key not in _PLANS:
         plan = cudnn_plan(match)
