@@ -92,10 +92,9 @@ def graph_network_potential() -> Model:
     # gradient 2.5e-2 / 2.2e-2; bfloat16 loss 2.1e-3 / 1.7e-2, gradient 0.30 / 0.37. With
     # scatter-add in float32 (`measure.py jax_md --float32-scatter-add` at 7e5ce21: float16
     # loss 6.5e-4 / 1.3e-3, gradient 1.2e-3 / 2.5e-3; bfloat16 loss 3.5e-3 / 1.3e-3,
-    # gradient 1.7e-2 / 2.3e-2; the working tree's fix in progress, scatter-add in the
-    # policy's float32 list, gives the same losses and bfloat16 gradients of 9.0e-3 / 8.0e-3).
-    # The tolerances are 3-5x the float32-scatter-add numbers: at 7e5ce21 the close checks
-    # fail in both dtypes.
+    # gradient 1.7e-2 / 2.3e-2). The tolerances are 3-5x those: at 7e5ce21 the close checks
+    # fail in both dtypes. With 62938a7's fix (every accumulation in float32; measured after
+    # 9924aae): the same losses, gradients 9.8e-4 / 2.6e-3 (float16), 8.6e-3 / 8.2e-3 (bfloat16).
     tol = {"float16": Tol(loss=5e-3, grad=1e-2), "bfloat16": Tol(loss=1.5e-2, grad=8e-2)}
     return Model("EnergyGraphNet potential (energy + forces)", "jax-md", params, batches, loss, tol)
 
