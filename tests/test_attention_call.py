@@ -1,7 +1,7 @@
 """The extracted call (autocast._attention.call) computes what the replaced equations did:
 values and gradients of every idiom against float32, in float16 and bfloat16, with
 tolerances from the same function computed in half precision; padding, fully masked rows,
-the cuDNN support query and the platform_dependent form on CPU."""
+and the cuDNN support query (the platform choice amp emits: tests/test_attention_amp.py)."""
 
 from __future__ import annotations
 
@@ -126,32 +126,6 @@ def test_cudnn_support_query_on_this_machine():
     else:  # a CUDA machine: the plan is a match to emit, or the reason there is none
         plan = attention.cudnn_plan(m)
         assert (err is None) == isinstance(plan, attention.Match)
-
-
-def test_platform_dependent_runs_the_default_off_cuda():
-    """The emitted form on CPU is the default branch (values and gradients); its CUDA branch
-    is the call (here with implementation="xla": this machine has no cuDNN to trace)."""
-    tr = traced(MATCHES[0])
-    (m,) = tr.matches
-
-    def default(*xs):
-        return [einsum_where(*xs) + 0.5]  # distinguishable from the call's result
-
-    def f(q, k, v):
-        return attention.platform_dependent(m, [q, k, v], default=default, implementation="xla")[0]
-
-    want = np.asarray(default(*tr.leaves)[0])
-    if jax.default_backend() != "cpu":
-        want = want - 0.5
-
-    @jax.jit
-    def value_and_grad(q, k, v):
-        return f(q, k, v), jax.grad(lambda q: jnp.sum(f(q, k, v)))(q)
-
-    got, g = value_and_grad(*tr.leaves)
-    g_ref = jax.grad(lambda q: jnp.sum(einsum_where(q, *tr.leaves[1:])))(tr.leaves[0])
-    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-2, atol=2e-2)
-    np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=2e-2, atol=2e-2)
 
 
 def test_call_rejects_bad_arguments():

@@ -67,7 +67,7 @@ The extracted call itself is `call` (`implementation="xla"` runs anywhere: the
 tests compare it with the replaced equations, values and gradients).
 """
 
-from ._call import call, cudnn_error, cudnn_plan, pad_sequences, platform_dependent
+from ._call import call, cudnn_error, cudnn_plan, pad_sequences
 from ._find import find
 from ._match import LeftAlone, Mask, MaskKind, Match, Operand
 
@@ -82,5 +82,4 @@ __all__ = [
     "cudnn_plan",
     "find",
     "pad_sequences",
-    "platform_dependent",
 ]

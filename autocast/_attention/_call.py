@@ -1,11 +1,11 @@
 """The extracted call: a `Match`'s span as one `jax.nn.dot_product_attention`, the
-trace-time cuDNN support query, and the `lax.platform_dependent` that emits it."""
+trace-time cuDNN support query (`autocast._attention._fuse` emits the platform choice)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
@@ -217,24 +217,3 @@ def cudnn_plan(match: Match, multiples: Sequence[int] = (1, 2, 64, 128)) -> Matc
         if "sequence length" not in err:
             break
     return first or "no padding multiple given"
-
-
-def platform_dependent(
-    match: Match,
-    inputs: Sequence[Any],
-    *,
-    default: Callable[..., Sequence[Any]],
-    implementation: Literal["xla", "cudnn"] = "cudnn",
-) -> list[Any]:
-    """`lax.platform_dependent`: the call (`implementation`) on CUDA,
-    `default(*inputs)` (the original equations, under amp's rules) elsewhere. The CUDA
-    branch's results take the dtypes of `default`'s. Both branches are traced: emit it
-    only where `cudnn_error` (or `cudnn_plan`) said the cuDNN call traces."""
-    shapes = jax.eval_shape(lambda *a: list(default(*a)), *inputs)
-
-    def cuda(*a: Any) -> list[Any]:
-        outs = call(match, a, implementation=implementation)
-        return [o.astype(sd.dtype) for o, sd in zip(outs, shapes)]
-
-    out = jax.lax.platform_dependent(*inputs, cuda=cuda, default=lambda *a: list(default(*a)))
-    return list(out)
