@@ -258,14 +258,14 @@ def _with_preferred(params: dict[str, Any], dtype: Any) -> dict[str, Any]:
 
 
 @_builtin("compute", casts_only=True)
-def use_compute_precision(compute_dtype, original_dtypes, *invars, **params):
+def use_compute_precision(compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **params: Any) -> Cast:
     """Float operands in the compute dtype (matmuls, convolutions).
 
     A `preferred_element_type` becomes the compute dtype too, so the result is stored in
     half precision (XLA still accumulates in float32 on GPUs and TPUs).
 
     Returns:
-        (tuple[list, dict]): The operands to bind with and the parameters (the rule
+        The operands to bind with and the parameters (the rule
             protocol, see [Policies and rules](../policies.md)).
 
     Example:
@@ -279,11 +279,11 @@ def use_compute_precision(compute_dtype, original_dtypes, *invars, **params):
 
 
 @_builtin("float32")
-def use_float32_precision(compute_dtype, original_dtypes, *invars, **params):
+def use_float32_precision(compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **params: Any) -> Cast:
     """Float operands in float32; the result stays float32 (exp/log, reductions, ...).
 
     Returns:
-        (tuple[list, dict]): The operands to bind with and the parameters (the rule protocol).
+        The operands to bind with and the parameters (the rule protocol).
 
     Example:
         ```python
@@ -336,11 +336,11 @@ select_in_float32 = _SelectInFloat32()
 
 
 @_builtin("original")
-def use_original_precision(compute_dtype, original_dtypes, *invars, **params):
+def use_original_precision(compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **params: Any) -> Cast:
     """Every operand back in the dtype it had when the function was traced.
 
     Returns:
-        (tuple[list, dict]): The operands to bind with and the parameters (the rule protocol).
+        The operands to bind with and the parameters (the rule protocol).
 
     Example:
         ```python
@@ -355,11 +355,11 @@ def use_original_precision(compute_dtype, original_dtypes, *invars, **params):
 
 
 @_builtin("widest")
-def use_widest_precision(compute_dtype, original_dtypes, *invars, **params):
+def use_widest_precision(compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **params: Any) -> Cast:
     """Mixed float operands promoted to the widest of their current dtypes.
 
     Returns:
-        (tuple[list, dict]): The operands to bind with and the parameters (the rule protocol).
+        The operands to bind with and the parameters (the rule protocol).
 
     Example:
         ```python
@@ -375,7 +375,7 @@ def use_widest_precision(compute_dtype, original_dtypes, *invars, **params):
 
 
 @_builtin("input")
-def use_input_precision(compute_dtype, original_dtypes, *invars, **params):
+def use_input_precision(compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **params: Any) -> Cast:
     """Run in the dtype the operands arrive in; mixed float operands are harmonised.
 
     Operands that were computed decide: if they all arrive in one dtype, that dtype is
@@ -385,7 +385,7 @@ def use_input_precision(compute_dtype, original_dtypes, *invars, **params):
     float32 statistic is never rounded to half precision (`x16 - mean32` runs in float32).
 
     Returns:
-        (tuple[list, dict]): The operands to bind with and the parameters (the rule protocol).
+        The operands to bind with and the parameters (the rule protocol).
 
     Example:
         ```python
@@ -404,11 +404,11 @@ def use_input_precision(compute_dtype, original_dtypes, *invars, **params):
 
 
 @_builtin("as_is")
-def use_as_is(compute_dtype, original_dtypes, *invars, **params):
+def use_as_is(compute_dtype: Any, original_dtypes: Sequence[Any], *invars: Any, **params: Any) -> Cast:
     """No casting at all (operands of independent dtypes: sort keys and values, barriers).
 
     Returns:
-        (tuple[list, dict]): The operands unchanged and the parameters (the rule protocol).
+        The operands unchanged and the parameters (the rule protocol).
 
     Example:
         ```python
