@@ -69,8 +69,15 @@ def test_every_model_and_system(smoke):
             assert r["median_step_s"] > 0 and r["pipelined_step_s"] > 0 and r["compile_s"] > 0
             assert r["peak_bytes"] is None if "peak_bytes" in r else True
         assert res["fp32"]["grad_err_vs_fp32"] == 0.0
-        for system in ("autocast-bf16", "autocast-fp8", "autocast-bf16-sr"):
+        for system in ("autocast-bf16", "autocast-bf16-xla-attention", "autocast-fp8", "autocast-bf16-sr"):
             assert 1e-4 < res[system]["grad_err_vs_fp32"] < 0.5, (model, system, res[system]["grad_err_vs_fp32"])
+        # no cuDNN on a CPU: amp's attention stays as written, the same program as attention="xla"
+        assert all(r["fused_attention"] == {"forward": 0, "backward": 0} for r in res.values())
+        xla = res["autocast-bf16-xla-attention"]
+        assert (
+            xla["grad_err_vs_fp32"] == res["autocast-bf16"]["grad_err_vs_fp32"]
+            and xla["loss0"] == res["autocast-bf16"]["loss0"]
+        )
         # float8 is coarser than bfloat16: the fp8 step really ran in float8
         assert res["autocast-fp8"]["grad_err_vs_fp32"] > res["autocast-bf16"]["grad_err_vs_fp32"]
         assert res["autocast-fp8"]["fp8"]["stablehlo_f8_dots"] > 0
@@ -243,3 +250,65 @@ def test_isolated_systems_say_where_their_process_time_goes(tmp_path, monkeypatc
     assert all(phases[k] > 0 for k in ("start", "task", "measure", "process"))
     assert phases["start"] + phases["task"] + phases["measure"] <= phases["process"] * 1.01
     assert (tmp_path / "hlo" / "gpt2-small-x1-triton-autocast-bf16.kernels.json").exists()
+
+
+def test_attention_micro_benchmark(tmp_path):
+    """``python -m benchmarks.gpu_measured.attention --smoke``: the five variants of causal
+    attention, forward + backward, on CPU. float32 is the reference's own code (error 0 at
+    XLA:CPU's float32 matmuls); the bfloat16 variants are off by bfloat16's rounding, amp's
+    unfused one no further than MPX's; without cuDNN amp's "fused" variant is its unfused
+    program (no fmha call, the same numbers) and the bare cuDNN call fails, saying why."""
+    from benchmarks.gpu_measured import attention
+
+    report = attention.main(["--smoke", "--out-dir", str(tmp_path)])
+    res = report["results"]
+    assert list(res) == list(attention.VARIANTS)
+    for name in ("fp32", "mpx-bf16", "amp-bf16-xla", "amp-bf16-fused"):
+        r = res[name]
+        assert r["ms_per_call"] > 0 and r["temp_bytes"] is not None and r["grad_finite"], (name, r)
+        assert (r["fmha_forward"], r["fmha_backward"]) == (0, 0)
+    assert res["fp32"]["grad_err"] < 1e-6 and res["fp32"]["out_err"] < 1e-6
+    for name in ("mpx-bf16", "amp-bf16-xla"):
+        assert 1e-4 < res[name]["grad_err"] < 0.05 and 1e-4 < res[name]["out_err"] < 0.05, (name, res[name])
+    assert res["amp-bf16-xla"]["grad_err"] <= res["mpx-bf16"]["grad_err"]
+    assert res["amp-bf16-fused"]["grad_err"] == res["amp-bf16-xla"]["grad_err"]
+    assert "cuDNN" in res["cudnn"]["error"]
+    md = Path(report["paths"][0]).read_text()
+    assert all(f"| {name} |" in md for name in attention.VARIANTS) and "failed: " in md
+    with pytest.raises(ValueError, match="variant 'nope' unknown"):
+        attention.variant("nope")
+
+
+def test_bert_batch_and_its_attention():
+    """The BERT task (smoke size): every masked position lies below its sequence's length,
+    distinct, its input token replaced by the mask id and its label the original token;
+    padding is id 0. amp finds the encoder's attention and reads its key-padding mask as
+    key lengths (the fused kernel's ``key_value_seq_lengths`` route); its bfloat16 loss is
+    float32's within bfloat16's rounding."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import autocast
+    from benchmarks.models import bert
+    from benchmarks.models import train_steps as S
+
+    task = S.SMOKE_MODELS["bert-base"]()
+    tokens, lengths, positions, labels = (np.asarray(x) for x in task.batch)
+    seq = tokens.shape[1]
+    for row, n, pos, lab in zip(tokens, lengths, positions, labels):
+        assert len(set(pos.tolist())) == len(pos) and (pos < n).all()
+        assert (row[pos] == bert.MASK_TOKEN).all() and (lab >= 4).all()
+        assert (row[n:] == 0).all() and (np.delete(row[:n], pos) >= 4).all()
+    assert lengths.min() >= 4 and lengths.max() <= seq
+    params, static = eqx.partition(task.model, eqx.is_array)
+
+    def loss(p, batch):
+        return S._bert_loss(eqx.combine(p, static), batch)
+
+    report = autocast.explain(loss, compute_dtype=jnp.bfloat16)(params, task.batch)
+    (found,) = report.totals["attention"]
+    assert "kv lengths" in found["attention"], found
+    ref = jax.jit(loss)(params, task.batch)
+    half = jax.jit(autocast.amp(loss, compute_dtype=jnp.bfloat16))(params, task.batch)
+    assert ref.dtype == jnp.float32 and jnp.isfinite(ref) and abs(float(half) - float(ref)) < 0.02 * abs(float(ref))

@@ -3,7 +3,8 @@
 For every model, the train step (forward, backward, optax AdamW update, loss scaling where
 the system uses it) of every system is compiled and measured:
 
-- systems: ``fp32``; ``autocast-bf16``, ``autocast-f16`` (dynamic loss scaler) and
+- systems: ``fp32``; ``autocast-bf16`` (attention fused where cuDNN takes it) and
+  ``autocast-bf16-xla-attention`` (``attention="xla"``: as written), ``autocast-f16`` (dynamic loss scaler) and
   ``autocast-fp8`` (``policies/fp8.toml``: weight matmuls as scaled float8 products, the
   rest as bf16); ``autocast-bf16-sr``: amp bf16 with bfloat16 parameters and AdamW moments,
   updated with stochastic rounding (no float32 master copy); ``mpx-bf16``, the MPX recipe (the ``mpx`` package: cast the model and
@@ -12,6 +13,7 @@ the system uses it) of every system is compiled and measured:
   and the MPX paper's "desktop" ViT (``benchmarks/models/vit.py``), and a GPT-2-small-sized causal
   transformer (12 blocks, width 768, 12 heads, 1024 tokens, vocabulary 50257, tied
   embeddings); ``--models gpt-1b``: a 1B-parameter GPT (16 blocks, width 2048, 2048 tokens);
+  ``--models bert-base``: BERT-base (post-LN, 512 tokens with a key-padding mask, MLM loss);
 - numbers: median step time (each step waited for, calls interleaved across systems), the
   time per step of steps dispatched back to back (only the last waited for: the host's
   work per call overlaps the device's, as in a training loop that does not read every
@@ -19,7 +21,9 @@ the system uses it) of every system is compiled and measured:
   (``device.memory_stats()``; each system in its own process on a GPU/TPU; ``n/a`` on
   CPU), the relative L2 error of the step-0 gradient against ``fp32``'s, and whether the
   step holds float8 GEMMs: ``__cublas$lt$matmul$f8`` custom calls in the compiled HLO (GPU),
-  and dot_generals with ``f8E4M3FN`` operands in the lowered StableHLO (any backend).
+  and dot_generals with ``f8E4M3FN`` operands in the lowered StableHLO (any backend), and
+  the cuDNN fused attention calls in the compiled step (``__cudnn$fmha*``, forward and
+  backward: amp's fused attention, docs/attention.md).
 
 The backend is the one ``jax.devices()`` gives. Results go to
 ``benchmarks/results/gpu_measured/gpu-<device>-<date>.{md,json}`` with the device name, the versions and
@@ -85,6 +89,15 @@ __all__ = ["DEFAULT_MODELS", "MODELS", "SMOKE_MODELS", "SYSTEMS", "TARGET_MODELS
 
 _CUBLAS_F8 = "__cublas$lt$matmul$f8"
 _STABLEHLO_F8_DOT = re.compile(r"stablehlo\.dot_general[^\n]*f8E4M3FN")
+_FMHA = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
+
+
+def fused_attention_in_hlo(compiled: Any) -> dict[str, int]:
+    """cuDNN fused attention calls in a compiled step (``__cudnn$fmha*`` custom calls):
+    ``forward`` and ``backward`` (``...Backward``). None on a CPU, none without cuDNN."""
+    calls = _FMHA.findall(compiled.as_text())
+    back = sum(1 for c in calls if "Backward" in c)
+    return {"forward": len(calls) - back, "backward": back}
 
 
 def fp8_in_hlo(lowered: Any, compiled: Any) -> dict[str, int]:
@@ -145,6 +158,7 @@ def _prepare(task: Task, name: str, mode: str = "triton", hlo_path: Path | None 
     info = {
         "compile_s": times["total"],
         "fp8": fp8_in_hlo(lowered, compiled),
+        "fused_attention": fused_attention_in_hlo(compiled),
         "loss0": float(out[3]),
         "grads0": jax.device_get(out[4]),
         "xla_memory": C.compiled_memory(compiled),
@@ -323,6 +337,11 @@ def _fp8_cell(res: dict[str, Any], backend: str) -> str:
     return f"{f['stablehlo_f8_dots']} f8E4M3FN dots lowered (cuBLASLt: n/a on {backend})"
 
 
+def _fmha_cell(res: dict[str, Any]) -> str:
+    f = res.get("fused_attention")
+    return "-" if not f else f"{f['forward']} / {f['backward']}"
+
+
 def _vs(r: dict[str, Any], base: dict[str, Any] | None, key: str) -> str:
     """``r`` 's time over ``base`` 's: measured (each step waited for / steps back to back),
     and (on a GPU) modeled in brackets."""
@@ -345,13 +364,13 @@ def table(title: str, desc: str, results: dict[str, dict[str, Any]], backend: st
     rows = [
         f"### {title}\n\n{desc}\n",
         "| system | median step time | back to back | modeled (roofline) | measured / modeled | vs fp32 "
-        "| vs MPX bf16 | peak device memory | step-0 gradient error vs fp32 | fp8 GEMMs |"
+        "| vs MPX bf16 | peak device memory | step-0 gradient error vs fp32 | fp8 GEMMs | cuDNN attention (fwd / bwd) |"
         + (" GPU time (profiled kernels) |" if profiled else ""),
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if profiled else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if profiled else ""),
     ]
     for name, r in results.items():
         if "error" in r:
-            rows.append(f"| {name} | failed: {r['error']} | | | | | | | | |" + (" |" if profiled else ""))
+            rows.append(f"| {name} | failed: {r['error']} | | | | | | | | | |" + (" |" if profiled else ""))
             continue
         t = r.get("median_step_s")
         piped = r.get("pipelined_step_s")
@@ -364,7 +383,7 @@ def table(title: str, desc: str, results: dict[str, dict[str, Any]], backend: st
             f"{_fmt(model_t and model_t * 1e3, '.2f', ' ms')} | "
             f"{_fmt(t / model_t if t and model_t else None, '.2f', 'x')} | {_vs(r, fp32, 'time_s')} | "
             f"{_vs(r, mpx, 'time_s')} | {'n/a' if peak is None else C.fmt_bytes(peak)} | "
-            f"{err_cell or _fmt(err, '.2e')} | {_fp8_cell(r, backend)} |"
+            f"{err_cell or _fmt(err, '.2e')} | {_fp8_cell(r, backend)} | {_fmha_cell(r)} |"
             + (f" {_fmt(r.get('profiled_gpu_ms'), '.2f', ' ms')} |" if profiled else "")
         )
     return "\n".join(rows)

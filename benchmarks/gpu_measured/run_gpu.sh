@@ -8,7 +8,7 @@
 # `python -m benchmarks.gpu_measured.gpu`: `--smoke` (tiny sizes, any backend), `--models gpt2-small`,
 # `--systems fp32 autocast-fp8`, `--repeats 50`, `--out-dir DIR`.
 # `--target h100`: no GPU needed; the steps compiled for an H100 (deviceless XLA:GPU, with
-# the jax-cuda12 plugin that `bash tests/run_gpu_program.sh` installs into .cache/).
+# the jax-cuda12 plugin and cuDNN that `bash tests/run_gpu_program.sh` installs into .cache/).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -18,5 +18,9 @@ if [[ " $* " == *" --target "* ]]; then
   if [ -d ".cache/jax-cuda-plugin-$version" ]; then
     export PYTHONPATH=".cache/jax-cuda-plugin-$version:$PYTHONPATH"
   fi
+  # cuDNN (the lane installs it): without it amp's attention stays unfused (no cuDNN to trace)
+  for cudnn in .cache/nvidia-cudnn-cu12-*/; do
+    [ -f "$cudnn/.installed" ] && export PYTHONPATH="${cudnn%/}:$PYTHONPATH"
+  done
 fi
 exec "${PYTHON:-python3}" -m benchmarks.gpu_measured.gpu "$@"

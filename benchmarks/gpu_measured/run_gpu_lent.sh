@@ -2,8 +2,9 @@
 # The measured benchmark on a lent GPU machine (docs/gpu-benchmark.md, "Measured on a lent GPU"):
 # its image has JAX with CUDA, Equinox and optax but no network and no install of this package.
 #   bash benchmarks/gpu_measured/run_gpu_lent.sh COMMIT [SECTION ...]   # from the repository root; results under $OUT
-# COMMIT names the code in the results (the copy may lack its .git); SECTIONs (1-5, below; all
-# by default) pick the runs, so that a lease can be split over two calls. MPX, where it is not
+# COMMIT names the code in the results (the copy may lack its .git); SECTIONs (1-5 and
+# attention, below; 1-5 by default) pick the runs, so that a lease can be split over calls.
+# AUTOCAST_LENT_SMOKE=1: the same runs at the smoke sizes (a dry run on any machine, CPU too). MPX, where it is not
 # installed there, travels as a copy of its package folder in .whl/site/mpx (PYTHONPATH).
 # The runs go from the most to the least wanted (on an H200 about 75 s a step of GPT-2 small
 # before the shared compilation cache, half of it compiling the model's initialisation: a
@@ -18,21 +19,46 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 [ -e autocast/policies ] || ln -s ../policies autocast/policies
 export PYTHONPATH=$PWD/.whl/site PYTHONUNBUFFERED=1 AUTOCAST_GIT_COMMIT=${1:?the commit the tree is}
 OUT=${OUT:?set OUT to the folder the results go to}
-R=/tmp/res; H=/tmp/hlo; mkdir -p $R $H
+T=${AUTOCAST_LENT_TMP:-/tmp}; R=$T/res; H=$T/hlo; mkdir -p $R $H
 log=$OUT/log.txt
 t0=$(date +%s)
 { date -u; nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv
   python3 -c "import jax,equinox,optax;print('jax',jax.__version__,'eqx',equinox.__version__,'optax',optax.__version__,jax.devices())"
 } 2>&1 | tee -a "$log"
 pack() {
-  tar czf "$OUT/partial.tgz" -C /tmp res && mv "$OUT/partial.tgz" "$OUT/results.tgz"
-  tar cf "$OUT/partial-hlo.tar" -C /tmp hlo && mv "$OUT/partial-hlo.tar" "$OUT/hlo.tar"
+  tar czf "$OUT/partial.tgz" -C "$T" res && mv "$OUT/partial.tgz" "$OUT/results.tgz"
+  tar cf "$OUT/partial-hlo.tar" -C "$T" hlo && mv "$OUT/partial-hlo.tar" "$OUT/hlo.tar"
 }
-(while sleep 20; do pack 2>/dev/null; done) &
+(while sleep 20; do pack 2>/dev/null; done) >/dev/null 2>&1 &
+packer=$!
+trap 'kill $packer 2>/dev/null; pack 2>/dev/null' EXIT
+smoke=(); [ "${AUTOCAST_LENT_SMOKE:-0}" = 1 ] && smoke=(--smoke)
 run() {
   echo "== $(($(date +%s) - t0)) s: $*" | tee -a "$log"
-  PYTHON=python3 bash benchmarks/gpu_measured/run_gpu.sh "$@" --save-hlo $H 2>&1 | grep --line-buffered -v "^|" | tee -a "$log"
+  PYTHON=python3 bash benchmarks/gpu_measured/run_gpu.sh "$@" ${smoke[@]+"${smoke[@]}"} --save-hlo $H 2>&1 | grep --line-buffered -v "^|" | tee -a "$log"
   pack
+}
+# AUTOCAST_LENT_DEADLINE_S: start nothing new after that many seconds (what was started finishes
+# and is packed), so that a command ends before the lease's per-command limit cuts it
+late() {
+  local d=${AUTOCAST_LENT_DEADLINE_S:-0} now=$(($(date +%s) - t0))
+  if [ "$d" -gt 0 ] && [ "$now" -ge "$d" ]; then
+    echo "== $now s: past AUTOCAST_LENT_DEADLINE_S=$d, skipped: $*" | tee -a "$log"
+    return 0
+  fi
+  return 1
+}
+# XLA's autotuning results shared by the processes of a section (one per system): the bf16
+# systems of a model tune mostly the same GEMMs. Only where this XLA takes the flag (an
+# unknown XLA flag aborts the process).
+autotune_cache() {
+  local flag=--xla_gpu_per_fusion_autotune_cache_dir=$T/autotune
+  [[ "${XLA_FLAGS:-}" == *autotune_cache_dir* ]] && return
+  mkdir -p "$T/autotune"
+  if XLA_FLAGS="$flag" python3 -c "import jax; jax.devices()" >/dev/null 2>&1; then
+    export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flag"
+    echo "autotuning shared: $flag" | tee -a "$log"
+  fi
 }
 all=(fp32 autocast-bf16 autocast-fp8 mpx-bf16)
 section() {
@@ -47,7 +73,25 @@ section() {
   # 4. ViT-Base; 5. the cuBLAS mode
   4) run --models vit-base --systems "${all[@]}" --modes triton --out-dir $R/d ;;
   5) run --models gpt2-small gpt-1b --systems autocast-bf16 autocast-fp8 mpx-bf16 --modes cublas --out-dir $R/e ;;
-  *) echo "unknown section $1 (1-5)" | tee -a "$log" ;;
+  # attention (issue 41): amp's fused attention against amp as written, MPX and float32: the
+  # micro-benchmark at GPT-2 small's shapes (five ways, fwd + bwd: ms, XLA temp, cuDNN calls,
+  # gradient error), then the train steps of GPT-2 small, BERT-base (key-padding masks) and
+  # ViT-Base (197 tokens, padded for cuDNN), the most wanted first; attention-micro,
+  # attention-gpt2, attention-bert, attention-vit: one item each (to split it over calls)
+  attention) for t in attention-micro attention-gpt2 attention-bert attention-vit; do section $t; done ;;
+  attention-micro)
+    autotune_cache
+    late "$1" && return
+    echo "== $(($(date +%s) - t0)) s: attention micro-benchmark" | tee -a "$log"
+    python3 -m benchmarks.gpu_measured.attention ${smoke[@]+"${smoke[@]}"} --out-dir $R/attention 2>&1 | tee -a "$log"
+    pack ;;
+  attention-gpt2|attention-bert|attention-vit)
+    autotune_cache
+    local m=${1#attention-}; m=${m/gpt2/gpt2-small}; m=${m/bert/bert-base}; m=${m/vit/vit-base}
+    late "$1" && return
+    run --models $m --systems autocast-bf16 autocast-bf16-xla-attention mpx-bf16 fp32 --modes triton \
+      --repeats 10 --out-dir $R/attention-$m ;;
+  *) echo "unknown section $1 (1-5, attention, attention-micro, attention-gpt2, attention-bert, attention-vit)" | tee -a "$log" ;;
   esac
 }
 shift

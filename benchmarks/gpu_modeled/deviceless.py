@@ -13,7 +13,8 @@ never across:
 The models and systems of the measured benchmark (:mod:`benchmarks.models.train_steps`), at its
 batch sizes and at ``4x``, each train step (inputs donated: parameters, optimizer state,
 scaler) in both GEMM modes. Reported per step: the census (kernels, GEMMs by operand
-dtype, fp8 GEMMs, convolutions; :func:`benchmarks.gpu_modeled.hlo_model.census`), XLA:GPU's memory
+dtype, fp8 GEMMs, convolutions, cuDNN fused attention calls;
+:func:`benchmarks.gpu_modeled.hlo_model.census`), XLA:GPU's memory
 analysis (arguments, outputs, aliased, temp, peak), the roofline model of its time on the
 target (HBM bytes, GEMM FLOPs, modeled step time; :func:`benchmarks.gpu_modeled.hlo_model.roofline`),
 ratios within a mode against fp32 and MPX, and the issue-22 targets met or not.
@@ -196,22 +197,23 @@ def _ratio(peak: int, base: dict[str, int], b: str) -> str:
 def table(model: str, mult: int, mode: str, res: dict[str, dict[str, Any]]) -> str:
     rows = [
         f"#### {model}, batch x{mult}, {mode} mode\n",
-        "| system | kernels | vs bf16 | GEMMs by operand dtypes | fp8 GEMMs | convolutions | arguments MiB | "
-        "outputs MiB | aliased MiB | temp MiB | peak MiB | peak vs fp32 | peak vs MPX |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| system | kernels | vs bf16 | GEMMs by operand dtypes | fp8 GEMMs | convolutions | cuDNN attention "
+        "(fwd / bwd) | arguments MiB | outputs MiB | aliased MiB | temp MiB | peak MiB | peak vs fp32 | peak vs MPX |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ok = {s: r for s, r in res.items() if "error" not in r}
     base = {s: ok[s]["memory"]["peak"] for s in ("fp32", "mpx-bf16") if s in ok}
     k16 = ok.get("autocast-bf16", {}).get("kernels")
     for s, r in res.items():
         if "error" in r:
-            rows.append(f"| {s} | failed: {r['error']} |" + " |" * 11)
+            rows.append(f"| {s} | failed: {r['error']} |" + " |" * 12)
             continue
         m = r["memory"]
         vs16 = f"{r['kernels'] / k16:.2f}x" if k16 else "n/a"
         rows.append(
             f"| {s} | {r['kernels']} | {vs16} | {_gemm_cell(r['gemms'])} | "
-            f"{r['fp8_gemms']} | {_gemm_cell(r['convolutions']) or '-'} | {_mib(m['argument'])} | {_mib(m['output'])} | "
+            f"{r['fp8_gemms']} | {_gemm_cell(r['convolutions']) or '-'} | "
+            f"{r.get('fmha_forward', 0)} / {r.get('fmha_backward', 0)} | {_mib(m['argument'])} | {_mib(m['output'])} | "
             f"{_mib(m['alias'])} | {_mib(m['temp'])} | {_mib(m['peak'])} | {_ratio(m['peak'], base, 'fp32')} | "
             f"{_ratio(m['peak'], base, 'mpx-bf16')} |"
         )
@@ -274,7 +276,9 @@ def summary_table(report: dict[str, Any]) -> str:
 ROOFLINE_NOTE = (
     "**Modeled step time (a model, not a measurement).** From the optimised HLO of each step, per launched kernel: "
     "HBM bytes = its operands' bytes + its result's bytes (a cuBLAS/cuDNN call's workspace left out); GEMM FLOPs = "
-    "2·|output|·K (K the contracted size) for cuBLAS calls, Triton GEMM fusions and convolutions; time = max(bytes / "
+    "2·|output|·K (K the contracted size) for cuBLAS calls, Triton GEMM fusions and convolutions, and for cuDNN's "
+    "fused attention its products over the scores it keeps (forward 2·B·N·T·S·(Hqk + Hv), backward "
+    "2·B·N·T·S·(3·Hqk + 2·Hv)); time = max(bytes / "
     "3.35 TB/s, FLOPs / peak) + 2 µs, with H100 SXM dense peaks 989 TFLOP/s for bf16/f16 operands, 1979 for "
     "float8, 495 (TF32) for float32. It ignores caches (L2 hits count as HBM traffic), overlap between kernels, "
     "partial reads of sliced operands (charged in full) and the gap between achieved and peak GEMM rates; without "

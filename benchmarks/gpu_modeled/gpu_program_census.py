@@ -1,11 +1,12 @@
 """The census of the GPU-program lane's train steps on the H100 target, as a table.
 
 ``JAX_PLATFORMS=cpu PYTHONPATH=<jax-cuda12 plugin> python -m benchmarks.gpu_modeled.gpu_program_census``
-compiles the steps of ``tests/test_gpu_program.py`` (Equinox MLP, ViT, transformer block;
-fp32, bf16, f16, fp8; Triton and cuBLAS modes) without a GPU and writes
+compiles the steps of ``tests/test_gpu_program.py`` (Equinox MLP, ViT, transformer block; also
+``gpt``; fp32, bf16, f16, fp8, and ``bf16-xla``: attention as written; Triton and cuBLAS
+modes) without a GPU (with the cuDNN wheel on ``PYTHONPATH`` too, for fused attention) and writes
 ``benchmarks/results/gpu_modeled/gpu-program-census-<label>-<date>.md``: kernels, GEMM launches, GEMMs by
 operand and result dtype, float32 x float32 GEMMs outside ``amp_stop``, transposes around
-GEMMs, temp and peak memory, HBM bytes and modeled time (the roofline model of
+GEMMs, cuDNN fused attention calls, temp and peak memory, HBM bytes and modeled time (the roofline model of
 ``benchmarks/gpu_modeled/hlo_model.py``). ``--autocast-from DIR`` imports ``autocast`` from ``DIR`` (an
 older checkout, for a before/after comparison). Compile-time facts: no timings.
 """
@@ -36,8 +37,8 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = [
         "| model | system | mode | kernels | GEMM launches | GEMMs (operands -> result) | f32 x f32 outside amp_stop "
-        "| transposes into / after GEMMs | temp MiB | peak MiB | HBM MiB | modeled µs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| transposes into / after GEMMs | cuDNN attention (fwd / bwd) | temp MiB | peak MiB | HBM MiB | modeled µs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     t0 = time.perf_counter()
     for model in args.models:
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
                 m = r["memory"]
                 rows.append(
                     f"| {model} | {system} | {mode} | {r['kernels']} | {r['gemm_kernels']} | {gemms} | {r['f32_gemms']} "
-                    f"| {r['transposes_into_gemms']} / {r['transposes_after_gemms']} | {m['temp'] / 2**20:.2f} "
+                    f"| {r['transposes_into_gemms']} / {r['transposes_after_gemms']} "
+                    f"| {r['fmha_forward']} / {r['fmha_backward']} | {m['temp'] / 2**20:.2f} "
                     f"| {m['peak'] / 2**20:.2f} | {r['roofline']['hbm_bytes'] / 2**20:.1f} "
                     f"| {r['roofline']['time_s'] * 1e6:.1f} |"
                 )

@@ -4,11 +4,12 @@ Pure text processing, no JAX: the tests feed it small HLO snippets, and the devi
 compiles (:mod:`benchmarks.gpu_modeled.deviceless`) feed it whole train steps.
 
 - :func:`census`: what the program launches: kernels, GEMMs by operand dtype, float8
-  GEMMs, float32 GEMMs outside ``autocast.amp_stop``, convolutions, transposes around GEMMs.
+  GEMMs, float32 GEMMs outside ``autocast.amp_stop``, convolutions, cuDNN fused attention
+  calls, transposes around GEMMs.
 - :func:`roofline`: a model of the step's time on a GPU from its traffic and work at the
   datasheet rates of :data:`H100_SXM`: per launched kernel, HBM bytes = its operands' bytes +
   its result's bytes, GEMM FLOPs = 2 x |output| x K (cuBLAS calls, Triton GEMM fusions, cuDNN
-  convolutions), time = max(bytes / bandwidth, FLOPs / peak) + launch cost. A model, not a
+  convolutions; cuDNN's fused attention: its products, :func:`fmha_flops`), time = max(bytes / bandwidth, FLOPs / peak) + launch cost. A model, not a
   measurement: it ignores caches (an operand read twice from L2 counts twice), overlap of
   kernels, partial reads of sliced operands (a fusion that reads a slice of a large operand
   is charged the whole operand) and achieved-vs-peak GEMM rates.
@@ -137,6 +138,9 @@ _CALLS = re.compile(r"calls=%([^\s,}]+)")
 _BODIES = re.compile(r"(?:condition|body|to_apply|true_computation|false_computation)=%([^\s,}]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _CONV_TARGET = re.compile(r'custom_call_target="(__cudnn\$conv[^"]*)"')
+# cuDNN's fused attention (jax.nn.dot_product_attention(..., implementation="cudnn")):
+# __cudnn$fmhaSoftmax, __cudnn$fmhaScaleBiasSoftmax, ...Dropout, their ...Backward, fp8 variants
+_FMHA_TARGET = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _AMP_STOP = "amp_stop"  # autocast.amp_stop's named scope, kept in the HLO's op_name metadata
@@ -220,6 +224,13 @@ def _transposes_around_gemms(instrs: list[Instr], comps: dict[str, list[Instr]])
     return into, after
 
 
+def fmha_call(ins: Instr) -> str | None:
+    """``"forward"`` or ``"backward"`` for a cuDNN fused attention call (``__cudnn$fmha*``;
+    ``...Backward``), else None."""
+    m = _FMHA_TARGET.search(ins.line) if ins.op == "custom-call" else None
+    return None if m is None else ("backward" if "Backward" in m.group(1) else "forward")
+
+
 def census(hlo: str) -> dict[str, Any]:
     """Counts in an optimised XLA:GPU module (``compiled.as_text()``).
 
@@ -239,6 +250,8 @@ def census(hlo: str) -> dict[str, Any]:
       GEMM results consumed by, a transpose or copy kernel of its own (a copy, transpose or
       fusion that only moves data; through bitcasts and tuple elements), where XLA did not
       fold the layout change into the GEMM.
+    - ``fmha_forward`` / ``fmha_backward``: cuDNN fused attention calls (``__cudnn$fmha*``
+      custom calls; ``...Backward``: the backward pass's).
     """
     entry, comps = parse(hlo)
     types = {i.name: i.shape for instrs in comps.values() for i in instrs}
@@ -248,7 +261,10 @@ def census(hlo: str) -> dict[str, Any]:
     gemm_types: collections.Counter = collections.Counter()
     convs: collections.Counter = collections.Counter()
     f32_gemms = f32_in_stop = 0
+    fmha: collections.Counter = collections.Counter()
     for ins in (i for instrs in comps.values() for i in instrs):
+        if kind := fmha_call(ins):
+            fmha[kind] += 1
         operands = " x ".join(dtype(types.get(x, "?")) for x in ins.args[:2])
         if ins.op == "dot" or (ins.op == "custom-call" and _GEMM_TARGET.search(ins.line)):
             gemms[operands] += 1
@@ -278,6 +294,8 @@ def census(hlo: str) -> dict[str, Any]:
         "f32_convolutions": sum(v for k, v in convs.items() if "f32" in k),
         "transposes_into_gemms": into,
         "transposes_after_gemms": after,
+        "fmha_forward": fmha["forward"],
+        "fmha_backward": fmha["backward"],
     }
 
 
@@ -339,7 +357,7 @@ class Kernel(NamedTuple):
     time_s: float
 
 
-def _scratch_free(ins: Instr) -> str:
+def scratch_free(ins: Instr) -> str:
     """A custom call's result without its trailing scratch buffers (the ``s8``/``u8``
     workspace of cuBLAS and cuDNN calls: memory they may use, not traffic)."""
     shape = ins.shape
@@ -383,6 +401,34 @@ def _conv_flops(ins: Instr, types: dict[str, str]) -> tuple[int, str, str]:
     return 2 * out * (math.prod(dims) // o), dtype(types.get(ins.args[0], "?")), rhs[0][0]
 
 
+def fmha_flops(ins: Instr, types: dict[str, str]) -> tuple[int, str, str]:
+    """The products of a cuDNN fused attention call over its ``[B, N, T, S]`` scores
+    (``intermediate_tensor_shape`` in its backend config), with ``Hqk`` and ``Hv`` the last
+    dimensions of q and v: forward ``Q K^T`` and ``P V``, 2 B N T S (Hqk + Hv); backward
+    (``...Backward``: the scores recomputed, ``dV``, ``dP``, ``dQ``, ``dK``) 2 B N T S
+    (3 Hqk + 2 Hv); counted over the scores a causal mask (top-left) or a sliding window
+    keeps (a padding mask's lengths are not known from the program: all kept). Returns the
+    FLOPs and q's and k's dtypes."""
+    m = _FMHA_TARGET.search(ins.line)
+    dims = re.search(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]', ins.line)
+    if not m or not dims or len(ins.args) < 3:
+        return 0, "?", "?"
+    q, v = arrays(types.get(ins.args[0], "")), arrays(types.get(ins.args[2], ""))
+    if not q or not v:
+        return 0, "?", "?"
+    b, n, t, s = (int(d) for d in re.findall(r"\d+", dims.group(1)))
+    hq, hv = q[0][1][-1], v[0][1][-1]
+    mask = re.search(r'"mask_type":\s*"(\w+)"', ins.line)
+    window = re.search(r'"sliding_window_length":\s*"?(\d+)', ins.line)
+    w = int(window.group(1)) if window else 0
+    per_row = [min(i + 1, s) for i in range(t)] if mask and "CAUSAL" in mask.group(1) else [s] * t
+    if w > 0:
+        per_row = [min(r, w) for r in per_row]
+    pairs = b * n * sum(per_row)
+    flops = 2 * pairs * ((3 * hq + 2 * hv) if "Backward" in m.group(1) else (hq + hv))
+    return flops, q[0][0], dtype(types.get(ins.args[1], "?"))
+
+
 def _work(ins: Instr, comps: dict[str, list[Instr]], types: dict[str, str], chip: Chip) -> tuple[int, float]:
     """GEMM FLOPs of a kernel and their time at the chip's peaks: a cuBLAS or cuDNN call's,
     or the dots and convolutions inside a fusion (nested fusions included)."""
@@ -391,6 +437,8 @@ def _work(ins: Instr, comps: dict[str, list[Instr]], types: dict[str, str], chip
             flops, a, b = _gemm_call_flops(ins, types)
         elif _CONV_TARGET.search(ins.line):
             flops, a, b = _conv_flops(ins, types)
+        elif _FMHA_TARGET.search(ins.line):
+            flops, a, b = fmha_flops(ins, types)
         else:
             return 0, 0.0
         return flops, flops / chip.peak(a, b)
@@ -420,7 +468,7 @@ def kernel_costs(hlo: str, chip: Chip = H100_SXM) -> list[Kernel]:
     types = {i.name: i.shape for instrs in comps.values() for i in instrs}
     out = []
     for ins, runs in kernels(entry, comps):
-        traffic = sum(nbytes(types.get(a, "")) for a in ins.args) + nbytes(_scratch_free(ins))
+        traffic = sum(nbytes(types.get(a, "")) for a in ins.args) + nbytes(scratch_free(ins))
         flops, gemm_s = _work(ins, comps, types, chip)
         t = max(traffic / chip.hbm_bytes_per_s, gemm_s) + chip.launch_s
         out.append(Kernel(ins.name, ins.op, traffic, flops, gemm_s, runs, t))
@@ -431,7 +479,8 @@ def roofline(hlo: str, chip: Chip = H100_SXM) -> dict[str, Any]:
     """The roofline model of one step: per launched kernel, HBM bytes = its operands' bytes +
     its result's bytes (a cuBLAS/cuDNN call's scratch buffer left out), GEMM FLOPs = 2 x
     |output| x K (K: the contracted size) for cuBLAS calls, the dots of (Triton GEMM)
-    fusions and convolutions, time = max(bytes / HBM bandwidth, FLOPs / peak for the GEMM's
+    fusions and convolutions, and the products of cuDNN's fused attention
+    (:func:`fmha_flops`), time = max(bytes / HBM bandwidth, FLOPs / peak for the GEMM's
     operand types) + the launch cost; a while body counts its known trip count times.
 
     Returns ``hbm_bytes``, ``gemm_flops``, ``kernels`` (launches per step),

@@ -9,8 +9,12 @@ GPU target (:mod:`benchmarks.gpu_modeled.deviceless`); nothing here measures or 
   ``benchmarks/models/gpt2.py``), and a
   1B-parameter GPT (16 blocks, width 2048, 16 heads, 2048 tokens) whose parameters and batch
   are shapes only (:attr:`Task.shapes_only`, never materialised unless a measured run asks);
-- systems (:data:`SYSTEMS`): ``fp32``; ``autocast-bf16``, ``autocast-f16`` (dynamic loss
-  scaler) and ``autocast-fp8`` (``policies/fp8.toml``: float8 where the H100 roofline
+  on request (``--models bert-base``), BERT-base with padded sequences and a masked-language-model
+  loss (``benchmarks/models/bert.py``: 512 tokens, lengths 128-512, a key-padding mask);
+- systems (:data:`SYSTEMS`): ``fp32``; ``autocast-bf16`` (attention fused where cuDNN takes
+  it: docs/attention.md) and ``autocast-bf16-xla-attention`` (the same with
+  ``attention="xla"``: every attention as written), ``autocast-f16``
+  (dynamic loss scaler) and ``autocast-fp8`` (``policies/fp8.toml``: float8 where the H100 roofline
   says it pays; the smoke models, all too small for that, every matmul); ``autocast-bf16-sr``: amp bf16 with
   the parameters and AdamW's moments stored in bfloat16, updated with stochastic rounding
   (``autocast.optim.to_half_params``, ``autocast.optim.half_state``; docs/memory.md); ``mpx-bf16``, the
@@ -34,11 +38,21 @@ import optax
 
 import autocast
 from benchmarks import _common as C
+from benchmarks.models import bert
+from benchmarks.models.bert import BERT, BERT_BASE, BERTConfig
 from benchmarks.models.gpt2 import GPT, GPT2_SMALL, GPT_1B, GPTConfig
 from benchmarks.models.vit import SHAPES, ViT, ViTConfig, cross_entropy, synthetic_batch
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
-SYSTEMS = ("fp32", "autocast-bf16", "autocast-f16", "autocast-fp8", "autocast-bf16-sr", "mpx-bf16")
+SYSTEMS = (
+    "fp32",
+    "autocast-bf16",
+    "autocast-bf16-xla-attention",
+    "autocast-f16",
+    "autocast-fp8",
+    "autocast-bf16-sr",
+    "mpx-bf16",
+)
 EXTRA_SYSTEMS = ("autocast-bf16-noremat",)
 """Built on request only (``--systems``): amp bf16 with ``remat_float32=False`` (no float32
 island recomputed in the backward pass: what the recomputation costs in time and saves in
@@ -90,6 +104,12 @@ def _gpt_loss(model, batch, ce=cross_entropy):
     return ce(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def _bert_loss(model, batch, ce=cross_entropy):
+    tokens, lengths, positions, labels = batch
+    logits = jax.vmap(model)(tokens, lengths, positions)  # (B, P, vocab): the masked positions
+    return ce(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
 def _vit_task(name: str, cfg: ViTConfig, batch: int, *, shapes_only: bool = False) -> Task:
     desc = f"ViT {cfg.image_size}x{cfg.image_size}/{cfg.patch}, width {cfg.width}, MLP {cfg.mlp_hidden}, "
     desc += f"{cfg.depth} blocks, {cfg.heads} heads, {cfg.classes} classes; batch {batch}"
@@ -115,6 +135,18 @@ def _gpt_task(name: str, cfg: GPTConfig, batch: int, *, shapes_only: bool = Fals
     return Task(name, desc, model, (tokens,), _gpt_loss)
 
 
+def _bert_task(name: str, cfg: BERTConfig, batch: int, *, shapes_only: bool = False) -> Task:
+    desc = f"BERT (post-LN): vocabulary {cfg.vocab}, {cfg.seq} tokens (lengths {cfg.min_length}-{cfg.seq}, "
+    desc += f"key-padding mask), width {cfg.width}, MLP {cfg.mlp_hidden}, {cfg.depth} blocks, {cfg.heads} heads, "
+    desc += f"MLM loss on {cfg.predictions} positions a sequence; batch {batch}"
+    if shapes_only:
+        model = eqx.filter_eval_shape(BERT, cfg, key=jax.random.key(0))
+        data = jax.eval_shape(lambda k: bert.synthetic_batch(cfg, batch, key=k), jax.random.key(1))
+        return Task(name, desc, model, data, _bert_loss, True, lambda: _bert_task(name, cfg, batch))
+    model = eqx.filter_jit(lambda k: BERT(cfg, key=k))(jax.random.key(0))
+    return Task(name, desc, model, bert.synthetic_batch(cfg, batch, key=jax.random.key(1)), _bert_loss)
+
+
 # model name -> factory(shapes_only=...): the task, its arrays made or shapes only (the 1B GPT:
 # always shapes only; Task.materialise makes them)
 MODELS: dict[str, Callable[..., Task]] = {
@@ -122,6 +154,7 @@ MODELS: dict[str, Callable[..., Task]] = {
     "vit-desktop": lambda shapes_only=False: _vit_task("vit-desktop", SHAPES["desktop"], 256, shapes_only=shapes_only),
     "gpt2-small": lambda shapes_only=False: _gpt_task("gpt2-small", GPT2_SMALL, 8, shapes_only=shapes_only),
     "gpt-1b": lambda shapes_only=True: _gpt_task("gpt-1b", GPT_1B, 8, shapes_only=True),
+    "bert-base": lambda shapes_only=False: _bert_task("bert-base", BERT_BASE, 16, shapes_only=shapes_only),
 }
 # what a run without --models covers: the measured benchmark leaves out the 1B GPT unless asked
 # (--models gpt-1b makes its parameters; its float32 step needs 114 GiB before XLA:GPU's
@@ -154,6 +187,12 @@ SMOKE_MODELS: dict[str, Callable[..., Task]] = {
     ),
     "gpt-1b": lambda shapes_only=True: _gpt_task(
         "gpt-1b", GPTConfig(vocab=64, seq=16, width=32, depth=2, heads=2), 2, shapes_only=True
+    ),
+    "bert-base": lambda shapes_only=False: _bert_task(
+        "bert-base",
+        BERTConfig(vocab=64, seq=16, width=32, depth=1, heads=2, mlp_hidden=64, predictions=3, min_length=4),
+        2,
+        shapes_only=shapes_only,
     ),
 }
 SMOKE_MODELS = {name: _every_matmul_in_fp8(factory) for name, factory in SMOKE_MODELS.items()}
@@ -226,13 +265,18 @@ def build_system(name: str, task: Task, static: Any, opt: Any) -> System:
             name, step, autocast.NoOpScalerState(), store_params=autocast.optim.to_half_params, optimizer=half_opt
         )
     if name.startswith("autocast"):
-        dtype = {"autocast-bf16": BF16, "autocast-f16": F16, "autocast-fp8": BF16, "autocast-bf16-noremat": BF16}[name]
+        dtype = {"autocast-f16": F16}.get(name, BF16)
+        if name not in SYSTEMS + EXTRA_SYSTEMS:
+            raise ValueError(f"system {name!r} unknown; allowed: {list(SYSTEMS + EXTRA_SYSTEMS)}")
         policy = None
         if name == "autocast-fp8":  # the shipped float8 policy, its cost check for the task's GPU
             rule = autocast.use_float8(target=task.fp8_target)
             policy = autocast.extend_policy({jax.lax.dot_general_p: rule}, base=autocast.load_policy("fp8"))
         remat = False if name == "autocast-bf16-noremat" else "auto"
-        amp_loss = autocast.amp(task.loss, compute_dtype=dtype, amp_policy=policy, remat_float32=remat)
+        attention = "xla" if name == "autocast-bf16-xla-attention" else "auto"
+        amp_loss = autocast.amp(
+            task.loss, compute_dtype=dtype, amp_policy=policy, remat_float32=remat, attention=attention
+        )
         gfn = autocast.dynamic_scale_value_and_grad(amp_loss)
 
         def step(p, opt_state, scaler, batch):
