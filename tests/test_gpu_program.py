@@ -5,11 +5,11 @@ the jax-cuda12 plugin's topology API ("deviceless" compilation): the optimised H
 what XLA:GPU would run, in both GEMM modes (``triton``: XLA's default; ``cublas``: every
 GEMM a cuBLASLt call). No autotuning and no timings: compile-time facts only.
 
-For an Equinox MLP, a ViT (patch-embedding convolution + one encoder block) and a
-transformer block (``eqx.nn.MultiheadAttention``, LayerNorm, GELU MLP), each train step
-(``value_and_grad`` of the ``amp`` loss + an SGD update, parameters donated) in bfloat16,
-float16 and float8 (``load_policy("fp8")`` without its cost check, ``use_float8(target=None)``:
-these models' matmuls are too small for float8 to pay) must have:
+For an Equinox MLP, a ViT (patch-embedding convolution, a cls token and one encoder block:
+ViT-Base's 197 tokens) and a transformer block (``eqx.nn.MultiheadAttention``, LayerNorm, GELU
+MLP), each train step (``value_and_grad`` of the ``amp`` loss + an SGD update, parameters
+donated) in bfloat16, float16 and float8 (``load_policy("fp8")`` without its cost check,
+``use_float8(target=None)``: these models' matmuls are too small for float8 to pay) must have:
 
 - no float32 x float32 GEMM outside ``amp_stop`` (recognised by the op_name metadata XLA
   keeps; a control puts the MLP's last layer in ``amp_stop`` and finds its float32 GEMMs);
@@ -23,13 +23,22 @@ these models' matmuls are too small for float8 to pay) must have:
   outputs + temp - aliased;
 - at most the committed kernel count (``gpu_program_kernels.json``, a regression guard;
   ``AUTOCAST_UPDATE_KERNELS=1`` rewrites it);
-- at most 2 % more HBM bytes and modeled time (the roofline model of
-  ``benchmarks/gpu_modeled/hlo_model.py``, H100 SXM rates) than committed in ``gpu_program_roofline.json``
-  (float32 steps included; the compile is deterministic, so any rise is a change in the
-  program; ``AUTOCAST_UPDATE_ROOFLINE=1`` rewrites it).
+- at most 2 % more HBM bytes, modeled time (the roofline model of
+  ``benchmarks/gpu_modeled/hlo_model.py``, H100 SXM rates) and peak memory than committed in
+  ``gpu_program_roofline.json`` (float32 steps included; the compile is deterministic, so any
+  rise is a change in the program; ``AUTOCAST_UPDATE_ROOFLINE=1`` rewrites it).
 
-Runs in ``bash tests/run_gpu_program.sh`` (installs the plugin, about 200 MB, cached);
-elsewhere it skips, saying so.
+Fused attention (issue 41, docs/attention.md): with cuDNN installed, the cuDNN attention call
+traces and compiles for the H100 (``__cudnn$fmhaSoftmax`` and ``...Backward`` custom calls), and
+in the bfloat16 steps of the ViT, the block and a two-layer GPT-2-style causal transformer
+(``benchmarks/models/gpt2.py``, 512 tokens) every attention is one fused forward and one fused
+backward call, and no kernel writes a ``[B, N, T, S]`` scores-sized buffer (the unfused
+program, ``attention="xla"``, guarded too, writes bfloat16 ones); the GPT's peak memory is
+below the unfused program's, the ViT's and the block's at most the kernels' saved outputs and
+float32 row statistics above it.
+
+Runs in ``bash tests/run_gpu_program.sh`` (installs the plugin, about 200 MB, and cuDNN, 1.2 GB;
+cached); elsewhere it skips, saying so.
 """
 
 from __future__ import annotations
@@ -57,12 +66,19 @@ import autocast  # noqa: E402
 from autocast import _compat  # noqa: E402
 from benchmarks.gpu_modeled import deviceless as D  # noqa: E402
 from benchmarks.gpu_modeled import hlo_model as H  # noqa: E402
-from benchmarks.models.vit import _Block  # noqa: E402
+from benchmarks.models import train_steps as S  # noqa: E402
+from benchmarks.models.gpt2 import GPT, GPTConfig  # noqa: E402
+from benchmarks.models.vit import ViT, ViTConfig, _Block  # noqa: E402
 
 KERNELS_FILE = Path(__file__).with_name("gpu_program_kernels.json")
 SLACK = 0.05  # a kernel count may grow by 5 % (at least 2) before the guard fails
 ROOFLINE_FILE = Path(__file__).with_name("gpu_program_roofline.json")
-ROOFLINE_SLACK = 0.02  # HBM bytes and modeled time may grow by 2 % before the guard fails
+ROOFLINE_SLACK = 0.02  # HBM bytes, modeled time and peak memory may grow by 2 % before the guard fails
+# the ViT: ViT-Base's sequence (224x224 images in 16x16 patches and a cls token: 197 tokens, a
+# length cuDNN takes padded), one narrow block with heads of 64; batch 8
+VIT = ViTConfig(image_size=224, channels=3, patch=16, width=128, mlp_hidden=512, depth=1, heads=2, classes=16)
+# the GPT: GPT-2's architecture (causal, heads of 64), two layers of 512 tokens; batch 4
+GPT_CFG = GPTConfig(vocab=256, seq=512, width=128, depth=2, heads=2)
 
 
 @functools.cache
@@ -75,22 +91,7 @@ def _block(width, heads, key):
     return _Block(width, 4 * width, heads, key=key)
 
 
-class _ViT(eqx.Module):
-    patch: eqx.nn.Conv2d
-    block: _Block
-    head: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.patch = eqx.nn.Conv2d(3, 128, 8, stride=8, key=k1)
-        self.block = _block(128, 4, k2)
-        self.head = eqx.nn.Linear(128, 16, key=k3)
-
-    def __call__(self, img):
-        x = self.patch(img).reshape(128, -1).T  # (16 patches, 128)
-        return self.head(self.block(x).mean(0))
-
-
+@functools.cache
 def _models():
     key = jax.random.key(0)
     return {
@@ -99,9 +100,14 @@ def _models():
             lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2),
             jnp.ones((256, 256)),
         ),
-        "vit": (_ViT(key), lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), jnp.ones((32, 3, 32, 32))),
+        "vit": (ViT(VIT, key=key), lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), jnp.ones((8, 3, 224, 224))),
         "block": (_block(128, 4, key), lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), jnp.ones((8, 64, 128))),
+        "gpt": (GPT(GPT_CFG, key=key), lambda m, t: S._gpt_loss(m, (t,)), jnp.zeros((4, GPT_CFG.seq + 1), jnp.int32)),
     }
+
+
+# each model's attention: (layers, batch, heads, queries = keys)
+ATTENTION = {"vit": (1, 8, 2, 197), "block": (1, 8, 4, 64), "gpt": (GPT_CFG.depth, 4, GPT_CFG.heads, GPT_CFG.seq)}
 
 
 SYSTEMS = {
@@ -109,6 +115,7 @@ SYSTEMS = {
     "bf16": dict(compute_dtype=jnp.bfloat16),
     "f16": dict(compute_dtype=jnp.float16),
     "fp8": dict(compute_dtype=jnp.bfloat16, amp_policy="fp8"),
+    "bf16-xla": dict(compute_dtype=jnp.bfloat16, attention="xla"),  # every attention as written
 }
 
 
@@ -142,6 +149,13 @@ def _compiled(model_name: str, system: str, mode: str, stop_head: bool = False):
     lowered = jitted.lower(*D.abstract(args, _sharding()))
     compiled = lowered.compile()
     info = D.analyse(compiled)
+    entry, comps = H.parse(compiled.as_text())
+    # every kernel's results (dtype, dimensions), and what the fused attention kernels save for
+    # the backward pass: the forward calls' results (output and float32 row statistics)
+    info["results"] = [(dt, dims) for ins, _ in H.kernels(entry, comps) for dt, dims in H.arrays(ins.shape)]
+    info["fmha_saved_bytes"] = sum(
+        H.nbytes(H.scratch_free(ins)) for ins, _ in H.kernels(entry, comps) if H.fmha_call(ins) == "forward"
+    )
     # float8 matmuls JAX hands to XLA (after JAX's dead-code elimination)
     dots = re.findall(r"stablehlo\.dot_general[^\n]*: \(tensor<(?:[0-9]+x)*(\w+)>", lowered.as_text())
     info["jaxpr_fp8_dots"] = sum(1 for d in dots if d.startswith("f8"))
@@ -207,7 +221,7 @@ def test_amp_step_on_the_gpu_target(model, system, mode):
     if system != "fp8":  # fp8 keeps float32 amax histories and scales; bf16/f16 halve activations
         assert mem["temp"] < base_mem["temp"], (mem, base_mem)
     _check_kernels(f"{model}/{system}/{mode}", info["kernels"])
-    _check_roofline(f"{model}/{system}/{mode}", info["roofline"])
+    _check_roofline(f"{model}/{system}/{mode}", info)
 
 
 @pytest.mark.parametrize(
@@ -221,7 +235,7 @@ def test_amp_step_on_the_gpu_target(model, system, mode):
 )
 def test_float32_step_roofline(model, mode):
     """The float32 steps (compiled anyway as the baselines) under the same roofline guard."""
-    _check_roofline(f"{model}/fp32/{mode}", _compiled(model, "fp32", mode)["roofline"])
+    _check_roofline(f"{model}/fp32/{mode}", _compiled(model, "fp32", mode))
 
 
 @pytest.mark.parametrize("mode", [pytest.param(mode, marks=_group("mlp", mode)) for mode in D.MODES])
@@ -286,6 +300,84 @@ def test_missing_target_names_the_choices():
         D.target_sharding("a100")
 
 
+def _attention_grad(implementation: str, b: int = 8, t: int = 1024, n: int = 12, h: int = 64):
+    """``jax.grad`` (q, k and v) of a causal ``jax.nn.dot_product_attention`` in bfloat16 at
+    GPT-2 small's shapes, compiled for the H100."""
+
+    def loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        return out.astype(jnp.float32).sum()
+
+    args = [jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16, sharding=_sharding())] * 3
+    try:
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    except RuntimeError as e:
+        if "cuDNN" in str(e):
+            pytest.fail(f"{e}: cuDNN is not installed here (bash tests/run_gpu_program.sh installs nvidia-cudnn-cu12)")
+        raise
+
+
+def test_cudnn_attention_compiles_for_the_target():
+    """Issue 41: the cuDNN attention call traces here (JAX reads the installed cuDNN's version)
+    and compiles for the H100 without a GPU: one ``__cudnn$fmhaSoftmax`` and one
+    ``__cudnn$fmhaSoftmaxBackward`` custom call, and none of the float32 scores XLA's own
+    attention keeps (at GPT-2 small's shapes: under 32 MiB of temp memory against more than
+    the 384 MiB of one float32 ``[8, 12, 1024, 1024]``)."""
+    cudnn, xla = _attention_grad("cudnn"), _attention_grad("xla")
+    info, base = H.census(cudnn.as_text()), H.census(xla.as_text())
+    assert (info["fmha_forward"], info["fmha_backward"]) == (1, 1), info
+    assert (base["fmha_forward"], base["fmha_backward"]) == (0, 0)
+    scores = 8 * 12 * 1024 * 1024 * 4
+    assert D.memory(cudnn)["temp"] < 32 * 2**20 < scores < D.memory(xla)["temp"], (D.memory(cudnn), D.memory(xla))
+
+
+def _scores_results(model: str, info: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """The kernel results of ``model``'s step shaped as one attention's scores: ``[..., T, S]``
+    with B N T S elements (``[B, N, T, S]``, ``[B N, T, S]``), its sequences as they are or
+    padded (by up to 127) for cuDNN."""
+    _, b, n, t = ATTENTION[model]
+    return [
+        (dt, dims)
+        for dt, dims in info["results"]
+        if len(dims) >= 2 and t <= dims[-1] == dims[-2] < t + 128 and math.prod(dims) == b * n * dims[-1] ** 2
+    ]
+
+
+@pytest.mark.parametrize("model", [pytest.param(m, marks=_group(m, "triton")) for m in ("gpt", "vit", "block")])
+def test_attention_is_fused_in_the_step(model):
+    """Issue 41: in the bfloat16 step every attention is one cuDNN forward and one cuDNN
+    backward call (the GPT's causal ones, the ViT's 197 tokens padded, the block's), and no
+    kernel writes a scores-sized ``[B, N, T, S]`` buffer, float32 or other (the control: the
+    unfused program, ``attention="xla"``, writes bfloat16 ones, the probabilities amp
+    recomputes; its float32 softmax stays inside XLA's kernels). Memory: the GPT's (512 tokens
+    for heads of 64) peak and temp are below the unfused program's; the ViT's and the block's
+    (197 and 64 tokens: scores no larger than the kernel's saved output) at most what their
+    forward kernels save for the backward pass above it (the output and its float32 row
+    statistics, which the unfused program does not keep: it recomputes). Both programs under
+    the kernel and roofline guards."""
+    layers = ATTENTION[model][0]
+    fused, unfused = _compiled(model, "bf16", "triton"), _compiled(model, "bf16-xla", "triton")
+    assert (fused["fmha_forward"], fused["fmha_backward"]) == (layers, layers), fused["kernel_ops"]
+    assert (unfused["fmha_forward"], unfused["fmha_backward"]) == (0, 0)
+    assert _scores_results(model, fused) == []
+    assert len(_scores_results(model, unfused)) >= layers and all(
+        dt == "bf16" for dt, _ in _scores_results(model, unfused)
+    ), _scores_results(model, unfused)
+    mem, base = fused["memory"], unfused["memory"]
+    if model == "gpt":
+        assert mem["peak"] < base["peak"] and mem["temp"] < base["temp"], (mem, base)
+    else:
+        assert 0 < fused["fmha_saved_bytes"] and mem["peak"] <= base["peak"] + fused["fmha_saved_bytes"], (
+            mem,
+            base,
+            fused["fmha_saved_bytes"],
+        )
+    for system, info in (("bf16-xla", unfused), ("bf16", fused)):
+        if model == "gpt" or system == "bf16-xla":  # the ViT's and the block's bf16: in test_amp_step_on_the_gpu_target
+            _check_kernels(f"{model}/{system}/triton", info["kernels"])
+            _check_roofline(f"{model}/{system}/triton", info)
+
+
 def _check_kernels(key: str, kernels: int) -> None:
     if os.environ.get("AUTOCAST_UPDATE_KERNELS") == "1":
         table = json.loads(KERNELS_FILE.read_text()) if KERNELS_FILE.exists() else {}
@@ -298,9 +390,15 @@ def _check_kernels(key: str, kernels: int) -> None:
     assert kernels <= limit, f"{key}: {kernels} kernels, committed {table[key]} (limit {limit})"
 
 
-def _check_roofline(key: str, roofline: dict) -> None:
-    """HBM bytes and modeled step time at most 2 % above the committed figures."""
-    now = {"hbm_bytes": roofline["hbm_bytes"], "time_us": round(roofline["time_s"] * 1e6, 3)}
+def _check_roofline(key: str, info: dict) -> None:
+    """HBM bytes, modeled step time and peak memory (arguments + outputs + temp - aliased) at
+    most 2 % above the committed figures."""
+    roofline = info["roofline"]
+    now = {
+        "hbm_bytes": roofline["hbm_bytes"],
+        "time_us": round(roofline["time_s"] * 1e6, 3),
+        "peak_bytes": info["memory"]["peak"],
+    }
     if os.environ.get("AUTOCAST_UPDATE_ROOFLINE") == "1":
         table = json.loads(ROOFLINE_FILE.read_text()) if ROOFLINE_FILE.exists() else {}
         table[key] = now
@@ -309,6 +407,7 @@ def _check_roofline(key: str, roofline: dict) -> None:
     table = json.loads(ROOFLINE_FILE.read_text())
     assert key in table, f"no committed roofline figures for {key}: run with AUTOCAST_UPDATE_ROOFLINE=1"
     for field, value in now.items():
+        assert field in table[key], f"{key}: no committed {field}: run with AUTOCAST_UPDATE_ROOFLINE=1"
         limit = table[key][field] * (1 + ROOFLINE_SLACK)
         assert value <= limit, f"{key}: {field} {value:,} above the committed {table[key][field]:,} by more than 2 %"
 
@@ -460,7 +559,7 @@ def test_lm_head_step_scatters_the_label_cotangent_in_half():
 
 def _attention_step_costs() -> tuple[int, int]:
     """Kernels and modeled HBM bytes of a causal attention layer's bfloat16 gradient
-    (8 sequences of 512 tokens, 4 heads of 64), compiled for the H100."""
+    (8 sequences of 512 tokens, 4 heads of 64), unfused, compiled for the H100."""
     k = jax.random.split(jax.random.key(0), 4)
     p = {n: jax.random.normal(kk, (256, 256)) / 16 for n, kk in zip(("wq", "wk", "wv"), k)}
     x = jax.random.normal(k[3], (8, 512, 256))
@@ -472,7 +571,8 @@ def _attention_step_costs() -> tuple[int, int]:
         s = jnp.where(jnp.tril(jnp.ones((512, 512), bool)), s, jnp.finfo(jnp.float32).min)
         return jnp.mean((jax.nn.softmax(s, axis=-1) @ v) ** 2)
 
-    step = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16)))
+    # as written (attention="xla"): the softmax island, not the fused kernel (which has none)
+    step = jax.jit(jax.grad(autocast.amp(loss, compute_dtype=jnp.bfloat16, attention="xla")))
     hlo = step.lower(*D.abstract((p, x), _sharding())).compile().as_text()
     costs = H.kernel_costs(hlo)
     return len(costs), sum(c.bytes for c in costs)

@@ -105,3 +105,32 @@ def test_target_report_of_a_shapes_only_model(tmp_path):
     md = (tmp_path / Path(report["paths"][0]).name).read_text()
     assert "Modeled step time on an H100 SXM" in md and "| gpt-1b | x1 | triton |" in md
     assert "shapes only" in report["models"]["gpt-1b"]["description"]
+
+
+def test_cudnn_attention_flops():
+    """cuDNN's fused attention (issue 41; causal, bfloat16, GPT-2 small's shapes: B 8, T = S
+    1,024, N 12, H 64), counted by hand over the scores the causal mask keeps (T (T + 1) / 2
+    a head): the forward call's ``Q K^T`` and ``P V``, 2 B N T(T+1)/2 (H + H); the backward
+    call's scores again, ``dV``, ``dP``, ``dQ`` and ``dK``, 2 B N T(T+1)/2 (3 H + 2 H); each at
+    the bfloat16 peak, its bytes its operands and results (scratch left out)."""
+    b, t, n, h = 8, 1024, 12, 64
+
+    def loss(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32).sum()
+
+    try:
+        hlo = _hlo(jax.grad(loss, argnums=(0, 1, 2)), *[((b, t, n, h), jnp.bfloat16)] * 3)
+    except RuntimeError as e:
+        if "cuDNN" not in str(e):
+            raise
+        pytest.fail(f"{e}: cuDNN is not installed here (bash tests/run_gpu_program.sh installs nvidia-cudnn-cu12)")
+    costs = {k.name: k for k in H.kernel_costs(hlo)}
+    fwd = [k for name, k in costs.items() if name.startswith("dot_product_attention_fwd")]
+    bwd = [k for name, k in costs.items() if name.startswith("dot_product_attention_bwd")]
+    assert len(fwd) == len(bwd) == 1, list(costs)
+    kept = b * n * t * (t + 1) // 2
+    assert fwd[0].flops == 2 * kept * (h + h) and bwd[0].flops == 2 * kept * (3 * h + 2 * h)
+    qkv = b * t * n * h * 2
+    assert fwd[0].bytes == 3 * qkv + qkv + b * n * t * 4  # q, k, v in; the output and float32 row statistics out
+    assert fwd[0].gemm_s == pytest.approx(fwd[0].flops / 989e12, rel=1e-12)
+    assert H.roofline(hlo)["gemm_flops"] >= fwd[0].flops + bwd[0].flops
