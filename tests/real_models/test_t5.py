@@ -29,9 +29,9 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import keras  # noqa: E402
 import keras_hub  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 from harness import CHECKS, HALF, Model, Tol, build, run_all_checks  # noqa: E402
