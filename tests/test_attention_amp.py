@@ -150,6 +150,27 @@ def test_the_switch_and_the_policy_scope_turn_fusion_off(emit_on_cpu, tmp_path):
     assert abs(float(v) - float(_two_layers(*qkv))) < 2e-2 * abs(float(_two_layers(*qkv)))
 
 
+def test_the_fused_call_is_recomputed_as_remat_float32_says(emit_on_cpu):
+    """remat_float32=True recomputes the fused call in the backward pass (one more forward
+    kernel, none of its residuals kept); False and "auto" keep them (for sequences the kernel
+    takes as they are)."""
+    qkv = _qkv()
+
+    def checkpointed(**kw):
+        closed = jax.make_jaxpr(autocast.amp(_two_layers, compute_dtype=jnp.bfloat16, **kw))(*qkv)
+        branches = [e for e, _ in walk(closed) if e.primitive.name == "cond"]
+        return sum(
+            any(b.primitive.name in ("checkpoint", "remat2") for b, _ in walk(e.params["branches"][0]))
+            for e in branches
+        )
+
+    assert checkpointed(remat_float32=True) == 2
+    assert checkpointed(remat_float32="auto") == 0 and checkpointed(remat_float32=False) == 0
+    g = jax.grad(autocast.amp(_two_layers, compute_dtype=jnp.bfloat16, remat_float32=True))(*qkv)
+    g_ref = jax.grad(_two_layers)(*qkv)
+    assert _rel(g, g_ref) < 3e-2
+
+
 def test_attention_option_is_checked():
     with pytest.raises(ValueError, match=r"attention='cudnn' is not allowed; use 'auto' or 'xla'"):
         autocast.amp(_two_layers, attention="cudnn")
