@@ -180,7 +180,9 @@ def amp(fn: Callable | None = None, **options: Unpack[AmpKwargs]) -> Any:
             carry). `True`: every island. `False`: none. A recomputed island also
             recomputes the matmuls that read it (their half-precision operand is not kept)
             and a product of two activations only it reads (attention's scores before the
-            softmax: recomputed from `q` and `k`, never kept).
+            softmax: recomputed from `q` and `k`, never kept). A fused attention kernel
+            (`attention="auto"`) is recomputed the same way: `True` always, `"auto"` for
+            padded sequences, `False` never.
         weight_grad_dtype: The dtype in which the gradient of a matmul operand narrowed
             from float32 (a parameter) leaves the matmul, and so the dtype of every
             reduction after it (data-parallel all-reduce, FSDP reduce-scatter, `psum`, a
