@@ -346,7 +346,8 @@ def _scores_results(model: str, info: dict) -> list[tuple[str, tuple[int, ...]]]
 @pytest.mark.parametrize("model", [pytest.param(m, marks=_group(m, "triton")) for m in ("gpt", "vit", "block")])
 def test_attention_is_fused_in_the_step(model):
     """Issue 41: in the bfloat16 step every attention is one cuDNN forward and one cuDNN
-    backward call (the GPT's causal ones, the ViT's 197 tokens padded, the block's), and no
+    backward call (the GPT's causal ones, the ViT's 197 tokens padded, and recomputed in the
+    backward pass, the block's), and no
     kernel writes a scores-sized ``[B, N, T, S]`` buffer, float32 or other (the control: the
     unfused program, ``attention="xla"``, writes bfloat16 ones, the probabilities amp
     recomputes; its float32 softmax stays inside XLA's kernels). Memory: the GPT's (512 tokens
@@ -357,7 +358,10 @@ def test_attention_is_fused_in_the_step(model):
     the kernel and roofline guards."""
     layers = ATTENTION[model][0]
     fused, unfused = _compiled(model, "bf16", "triton"), _compiled(model, "bf16-xla", "triton")
-    assert (fused["fmha_forward"], fused["fmha_backward"]) == (layers, layers), fused["kernel_ops"]
+    # the ViT's padded spans are recomputed in the backward pass (remat_float32="auto": their
+    # padded output is not kept beside the sliced copy): one more forward call a layer
+    forwards = 2 * layers if model == "vit" else layers
+    assert (fused["fmha_forward"], fused["fmha_backward"]) == (forwards, layers), fused["kernel_ops"]
     assert (unfused["fmha_forward"], unfused["fmha_backward"]) == (0, 0)
     assert _scores_results(model, fused) == []
     assert len(_scores_results(model, unfused)) >= layers and all(
