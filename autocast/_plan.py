@@ -364,6 +364,7 @@ def _islands(
         if joins:
             island[i] = True
             f32.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype) and v not in narrow)
+    _selections_join(jaxpr, steps, island)
     read_by_island: dict[Any, set[int]] = {}
     for j, eqn in enumerate(jaxpr.eqns):
         if island[j]:
@@ -376,6 +377,28 @@ def _islands(
         if not isinstance(v, _compat.Literal) and _dtypes.is_castable(v.aval.dtype)
     )
     return island, [i for i in by_itself if not shares(i) or _widens(jaxpr, steps, island, i)]
+
+
+def _selections_join(jaxpr: Any, steps: list, island: list[bool]) -> None:
+    """A slice or gather that converts a half-precision operand itself
+    (`_rules.select_in_float32`) joins the island that every one of its readers is part of:
+    the island's checkpoint then keeps the half-precision operand, not the float32
+    selection, and a matmul that feeds the island through it keeps its half-precision result.
+    Gemma's GeGLU, `gelu(h[..., 0, :]) * h[..., 1, :]`: without this, the gate's halves
+    were kept in float32 (22 % more residual bytes on the corpus's Gemma 3)."""
+    readers: dict[Any, list[int]] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                readers.setdefault(v, []).append(k)
+    outs = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        step = steps[i]
+        if island[i] or step.kind != RULE or step.rule is not _rules.select_in_float32:
+            continue
+        floats = [v for v in jaxpr.eqns[i].outvars if _dtypes.is_castable(v.aval.dtype)]
+        if floats and all(v not in outs and readers.get(v) and all(island[k] for k in readers[v]) for v in floats):
+            island[i] = True
 
 
 # A float32-only call stays out of an island whose result a matmul reads into an output this

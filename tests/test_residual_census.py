@@ -69,3 +69,34 @@ def test_census_sees_float32_residuals():
     for loss in (case.loss_fn, autocast.amp(case.loss_fn, compute_dtype=jnp.bfloat16, remat_float32=False)):
         res = _compat.saved_residuals(lambda p: loss(eqx.combine(p, static), case.state, case.batch)[0], dynamic)  # noqa: B023
         assert any(a.dtype == jnp.float32 and a.size > largest and "argument" not in src for a, src in res)
+
+
+def _geglu(params, x):
+    """Gemma's gated MLP: one matmul to both halves, `gelu(gate) * up` on slices of it."""
+    w_gate_up, w_down = params
+    h = jnp.einsum("btd,cdh->btch", x, w_gate_up)
+    return jnp.sum(jnp.einsum("bth,hd->btd", jax.nn.gelu(h[..., 0, :]) * h[..., 1, :], w_down) ** 2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+def test_gated_mlp_keeps_its_halves_in_half_precision(dtype):
+    """Slices that only a float32 island reads join the island: the checkpoint keeps the
+    matmul's half-precision result, not float32 copies of the gate and the up projection
+    (corpus Gemma 3: 22 % more residual bytes before). Values and gradients as unfused."""
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.standard_normal((4, 16, 64)), jnp.float32)
+    params = (
+        jnp.asarray(r.standard_normal((2, 64, 128)) * 0.1, jnp.float32),
+        jnp.asarray(r.standard_normal((128, 64)) * 0.1, jnp.float32),
+    )
+    loss = autocast.amp(_geglu, compute_dtype=dtype)
+    residuals = _compat.saved_residuals(lambda p: loss(p, x), params)
+    activations = [(a.dtype, a.shape) for a, src in residuals if "argument" not in src]
+    assert (np.dtype(dtype), (4, 16, 2, 128)) in activations, activations
+    assert not [d for d, s in activations if d == jnp.float32 and np.prod(s) >= 4 * 16 * 128], activations
+    ref_loss, ref_grads = jax.value_and_grad(_geglu)(params, x)
+    got_loss, got_grads = jax.jit(jax.value_and_grad(loss))(params, x)
+    assert abs(float(got_loss) - float(ref_loss)) < 3e-2 * abs(float(ref_loss))
+    for g, ref in zip(got_grads, ref_grads):
+        assert g.dtype == jnp.float32
+        assert float(jnp.linalg.norm(g - ref) / jnp.linalg.norm(ref)) < 3e-2
