@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -183,14 +185,27 @@ def saturating_cast(x: Any, dtype: Any) -> Any:
     """`x` cast to `dtype`, a finite value beyond its range clamped to its largest
     finite value (infinities and NaNs kept): the cast of a fill or constant that autocast
     narrows (`jnp.where(mask, logits, jnp.finfo(jnp.float32).min)`, where the fill reaches
-    the `where` through a call). Its derivative is the clamp's."""
+    the `where` through a call). Its derivative is the conversion's, as the float32
+    original's is the identity: the backward pass keeps nothing for it (a parameter
+    saturated on its way into a `concatenate`, a class token, kept no float32 copy and
+    masks)."""
     dtype = np.dtype(dtype)
     src = dtype_of(x)
     if is_concrete(x) or src == dtype or not narrower(dtype, src):
         return cast(x, dtype)
-    limit = np.asarray(jnp.finfo(dtype).max, dtype=src)
+    return _saturate(x, dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _saturate(x: Any, dtype: np.dtype) -> Any:
+    limit = np.asarray(jnp.finfo(dtype).max, dtype=dtype_of(x))
     clamped = lax.clamp(-limit, x, limit)
     return lax.convert_element_type(lax.select(lax.is_finite(x), clamped, x), dtype)
+
+
+@_saturate.defjvp
+def _saturate_jvp(dtype: np.dtype, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+    return _saturate(primals[0], dtype), lax.convert_element_type(tangents[0], dtype)
 
 
 def _convert(x: Any, dtype: np.dtype) -> Any:

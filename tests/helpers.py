@@ -67,12 +67,17 @@ def dots_in(jaxpr: Any) -> list[tuple[str, ...]]:
 def activation_jvps(jaxpr: Any, kind: str = "custom_jvp") -> list[Any]:
     """The ``custom_jvp`` (or ``kind``) equations, either encoding, any depth, whose body
     computes no matmul: an activation's (``relu``, ...), not the ``custom_jvp`` around a
-    matmul that gives it a float32 weight cotangent."""
+    matmul that gives it a float32 weight cotangent, nor amp's saturating conversion of a
+    fill (``autocast._dtypes.saturating_cast``)."""
     return [
         e
         for e in of_kind(jaxpr, kind)
         if not any(i.primitive.name in COMPUTE_PRIMS for b in _walk.bodies(e) for i, _ in walk(b))
+        and {i.primitive.name for b in _walk.bodies(e) for i, _ in walk(b)} != _SATURATION
     ]
+
+
+_SATURATION = {"clamp", "is_finite", "select_n", "convert_element_type"}
 
 
 def flag_on(*names: str) -> bool:
