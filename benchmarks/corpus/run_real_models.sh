@@ -8,7 +8,7 @@ bash tests/run_corpus.sh --co -q >/dev/null
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" KERAS_BACKEND=jax
 out=.cache/real-models
 main_files=(test_attention test_gemma test_keras_hub test_diffrax test_haiku test_jraph)
-more_files=(test_equimo test_numpyro)  # added 2026-11-27: a part of their own (AUTOCAST_PARTS)
+more_files=(test_equimo test_numpyro test_jax_md test_penzai test_mixtral test_t5 test_diffusers)  # added 2026-11-27: a part of their own (AUTOCAST_PARTS)
 parts="${AUTOCAST_PARTS:-main more recurrentgemma}"  # e.g. AUTOCAST_PARTS=more: re-measure one part
 for part in $parts; do
   case "$part" in
