@@ -111,11 +111,7 @@ def _bias_sums(jaxpr: Any, steps: list) -> frozenset:
             eqn.primitive.name in LAYOUT | {"convert_element_type"} and len(floats) == 1 and floats[0] in made
         ):
             made.update(v for v in eqn.outvars if _dtypes.is_castable(v.aval.dtype))
-    readers: dict[Any, list[int]] = {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if not isinstance(v, _compat.Literal):
-                readers.setdefault(v, []).append(k)
+    readers = _readers(jaxpr)
     found: set = set()
     for eqn, step in zip(jaxpr.eqns, steps):
         if step.kind != RULE or eqn.primitive.name not in ("add", "add_any") or len(eqn.outvars) != 1:
@@ -196,12 +192,18 @@ def _statistics(jaxpr: Any, steps: list) -> frozenset:
     return frozenset(found)
 
 
-def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> dict[int, set[int]]:
-    consumers: dict[Any, list[int]] = {}
+def _readers(jaxpr: Any) -> dict[Any, list[int]]:
+    """Each variable of `jaxpr` -> the indices of the equations that read it."""
+    readers: dict[Any, list[int]] = {}
     for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
             if not isinstance(v, _compat.Literal):
-                consumers.setdefault(v, []).append(k)
+                readers.setdefault(v, []).append(k)
+    return readers
+
+
+def _wide_matmuls(jaxpr: Any, steps: list, wants32: dict) -> dict[int, set[int]]:
+    consumers = _readers(jaxpr)
     outs = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
     wide: dict[int, set[int]] = {}
     for i, (eqn, step) in enumerate(zip(jaxpr.eqns, steps)):
@@ -386,11 +388,7 @@ def _selections_join(jaxpr: Any, steps: list, island: list[bool]) -> None:
     selection, and a matmul that feeds the island through it keeps its half-precision result.
     Gemma's GeGLU, `gelu(h[..., 0, :]) * h[..., 1, :]`: without this, the gate's halves
     were kept in float32 (22 % more residual bytes on the corpus's Gemma 3)."""
-    readers: dict[Any, list[int]] = {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if not isinstance(v, _compat.Literal):
-                readers.setdefault(v, []).append(k)
+    readers = _readers(jaxpr)
     outs = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
         step = steps[i]

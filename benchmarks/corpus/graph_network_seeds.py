@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "real_mod
 import conftest  # isort: skip  # noqa: E402, F401  (XLA_FLAGS before JAX starts)
 import haiku as hk  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import test_jraph  # noqa: E402
 
@@ -47,14 +46,9 @@ def _error(grads, ref) -> float:
 
 
 def measure(seeds: int) -> dict:
-    net = hk.without_apply_rng(hk.transform(test_jraph._graph_network))
-    batch = test_jraph._batches(self_edges=False)["padded"]
-
-    def loss(params, batch):  # test_jraph.graph_network's loss
-        pred = net.apply(params, batch["graph"])
-        w = batch["graph_mask"][:, None].astype(jnp.float32)
-        return jnp.sum(w * (pred - batch["labels"]["graph"]) ** 2) / jnp.sum(w)
-
+    model = test_jraph.graph_network()  # the corpus model: its loss and padded batch
+    loss, batch = model.loss, model.batches["padded"]
+    init = hk.transform(test_jraph._graph_network).init  # the same parameters' structure, any key
     reference = jax.jit(jax.grad(loss))
     runs = {
         (dtype, name): jax.jit(jax.grad(autocast.amp(loss, compute_dtype=dtype, amp_policy=policy)))
@@ -63,7 +57,7 @@ def measure(seeds: int) -> dict:
     }
     errors: dict[str, dict[str, list[float]]] = {d: {n: [] for n in POLICIES} for d in ("float16", "bfloat16")}
     for seed in range(seeds):
-        params = net.init(jax.random.key(seed), batch["graph"])
+        params = init(jax.random.key(seed), batch["graph"])
         ref = reference(params, batch)
         for (dtype, name), grad in runs.items():
             errors[dtype][name].append(_error(grad(params, batch), ref))
