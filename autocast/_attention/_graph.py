@@ -24,24 +24,7 @@ import jax
 import numpy as np
 
 from .. import _compat, _walk
-
-_MATMULS = frozenset(_walk.MATMULS)
-# Primitives whose result is not a function of their operands' values.
-_RANDOM = frozenset(
-    {
-        "random_bits",
-        "random_seed",
-        "random_wrap",
-        "random_unwrap",
-        "random_split",
-        "random_fold_in",
-        "threefry2x32",
-        "rng_bit_generator",
-        "rng_uniform",
-        "iota_32x2_shape",
-    }
-)
-
+from . import _vocab
 
 FOLD_LIMIT = 1 << 26
 """The most elements a constant mask or bias may have to be evaluated at trace time (a
@@ -81,7 +64,7 @@ def _is_softmax_jvp(eqn: Any) -> bool:
     if _walk.kind(eqn) != "custom_jvp":
         return False
     name = eqn.params.get("name") or _compat.fun_name(eqn) or _compat.hi_param(eqn, "name")
-    return name == "_softmax"
+    return name == _vocab.SOFTMAX_JVP_NAME
 
 
 class Graph:
@@ -183,7 +166,7 @@ class Graph:
         key = id(jaxpr)
         if key not in self._dot_free:
             self._dot_free[key] = all(
-                e.primitive.name not in _MATMULS and all(self._free_of_matmuls(b) for b in _walk.bodies(e))
+                e.primitive.name not in _vocab.MATMULS and all(self._free_of_matmuls(b) for b in _walk.bodies(e))
                 for e in _compat.open_and_consts(jaxpr)[0].eqns
             )
         return self._dot_free[key]
@@ -217,7 +200,7 @@ class Graph:
     def _constness(self) -> set[int]:
         const = set(self._consts)
         for node in self.nodes:
-            if node.opaque or node.name in _RANDOM:
+            if node.opaque or node.name in _vocab.RANDOM:
                 continue
             if all(not isinstance(a, int) or a in const for a in node.ins):
                 const.update(o for o in node.outs if o >= 0)

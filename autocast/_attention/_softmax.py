@@ -9,14 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _walk
+from . import _vocab
 from ._graph import Atom, Graph, Node
-
-# Equations between a reduction over the softmax axis and the value it is subtracted from
-# or divides: they restore the reduced axis as size 1 (or to full size) and change nothing.
-_RESTORE = frozenset(
-    {"broadcast_in_dim", "reshape", "expand_dims", "stop_gradient", "convert_element_type", "transpose"}
-)
-
 
 @dataclass(frozen=True)
 class Softmax:
@@ -42,14 +36,14 @@ def find_softmaxes(g: Graph) -> list[Softmax]:
 
 
 def _reduced_from(g: Graph, atom: Atom, reducer: str, nodes: set[int]) -> tuple[int, int] | None:
-    """If `atom` is `reducer` of some `x` over one axis, restored (peeling `_RESTORE`
+    """If `atom` is `reducer` of some `x` over one axis, restored (peeling `_vocab.RESTORE`
     and `max` with a `-inf` constant): `(x, axis)`."""
     while True:
         node = g.node_of(atom)
         if node is None:
             return None
         nodes.add(g.producer[node.outs[0]])
-        if node.name in _RESTORE:
+        if node.name in _vocab.RESTORE:
             atom = node.ins[0]
         elif node.name == "max" and reducer == "reduce_max":
             consts = [a for a in node.ins if g.foldable(a)]
