@@ -55,7 +55,7 @@ def _custom_vjps(jaxpr: Any, scopes: tuple[str, ...]) -> int:
 
 
 _SUMS = frozenset({"reduce_sum", "cumsum", "reduce_window_sum", "psum", "reduce_scatter", "scatter-add", "scatter-sub"})
-_MOVES = frozenset({"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice", "copy"})
+_MOVES = frozenset({"reshape", "broadcast_in_dim", "transpose", "squeeze", "slice", "copy"})
 
 
 def _float16_sums(jaxpr: Any) -> list[str]:

@@ -474,7 +474,7 @@ def narrow_inputs(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_narrow
 
 # Equations whose backward pass does not need their float operands (linear in them, with
 # integer indices at most): handing them a float32 value stores nothing more.
-_NO_RESIDUAL = LINEAR | {"gather", "dynamic_update_slice", "squeeze", "expand_dims"}
+_NO_RESIDUAL = LINEAR | {"gather", "dynamic_update_slice"}
 
 
 def input_pulls(ctx: Any, jaxpr_like: Any, scopes: tuple[str, ...], out_float32: Sequence[bool]) -> list[bool | str]:
