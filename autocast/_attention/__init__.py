@@ -12,7 +12,8 @@ matmul (`jit[_where]`, `jit[tril]`, `jit[softmax]`, `jit[_bernoulli]`) and the s
 `dot_general` through layout equations, float converts, multiplications and divisions by
 a constant scalar (the scale), additive biases (either operand order) and `select_n`
 against a constant fill (`jnp.where`, masks); from its output, through layout
-equations, to the `dot_general` with the values; after that, through transposes, and a
+equations and factors that do not vary along the keys (a head mask: the call multiplies its
+output by them), to the `dot_general` with the values; after that, through transposes, and a
 `mul` zeroing the rows past the query lengths where the original has one (`jax.nn`'s
 XLA path). q, k and v are traced back through single-reader transposes, converts,
 constant scalar factors (folded into the scale: Flax linen and Equinox scale the query)
@@ -26,8 +27,12 @@ axis must be the softmax axis (the keys `S`); the contracted axis is the head di
 the keys, pair exactly the scores' batch axes with v's, keep q's free axes and leave one
 axis of v (`Hv`). Every value on the way carries an *axis map* to the scores' axes
 (`_layout`), so masks, biases, lengths and the output are moved by the transposes
-actually present. Which batch axis is the kernel's heads axis is a layout choice (q's last
-batch axis, or the repeated one); nothing is identified by position or size, so a key
+actually present. A reshape may merge axes of the scores (Gemma's and Flax NNX's grouped
+query heads, `[B, T, K, G, S] -> [B, T, K * G, S]`) if the probabilities are split back
+the same way before the value product: a relabelling; constant side values on the merged
+scores are split into the merged axes, traced ones must not vary along them. Which
+batch axis is the kernel's heads axis is a layout choice (q's last batch axis, or the
+repeated one); nothing is identified by position or size, so a key
 transposed "wrongly" (pytorch#195320) is rewritten as what it computes.
 
 **Mask classes** (`_mask`, `MaskKind`). The masks (each `select_n`, and each
@@ -49,8 +54,10 @@ attention map); a bias added after a mask; a fill that is not a large negative n
 a `-inf` fill where a query row may be fully masked (the original gives NaN there, the
 kernel would not), an additive mask or different fills there (the original's result then
 depends on the scores); masks that depend on the scores; a softmax over a query or batch
-axis; a value product that does not contract the softmax axis; head dimensions cuDNN
-rejects (not a multiple of 8, above `max_head_dim`, q/k and v different). A fully masked
+axis, or over merged axes; a value product that does not contract the softmax axis; a
+factor on the probabilities that varies along the keys; merged scores the probabilities
+do not split back the same way, or a traced side value varying along merged axes; head
+dimensions cuDNN rejects (not a multiple of 8, above `max_head_dim`, q/k and v different). A fully masked
 row of a finite fill averages the values uniformly in the original; the call sets that
 explicitly. Odd sequence lengths are padded by `pad_sequences` /
 `cudnn_plan` (padded keys masked, padded queries sliced off).

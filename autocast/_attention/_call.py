@@ -75,6 +75,9 @@ def call(
     if match.mask.may_empty:
         out = _fill_empty_rows(match, out, v, mask, kv_len, q_len, t, s)
     out = _layout.kernel_out_to_output(out, lay)
+    factor = _factor(match, env, rank)
+    if factor is not None:  # it commutes with the value product, which contracts only the keys
+        out = out.astype(jnp.float32) * _layout.scores_to_output(factor, lay.out_amap)
     return [out.astype(match.out_dtype if out_dtype is None else out_dtype)]
 
 
@@ -104,6 +107,16 @@ def _bias(match: Match, env: dict[int, Any], rank: int) -> Any:
         val = _layout.to_scores(jnp.asarray(env[side.id]), side.amap, rank, jnp) * side.coef
         b = val if b is None else b + val
     return None if b is None else _layout.side_to_kernel(b, match.layout)
+
+
+def _factor(match: Match, env: dict[int, Any], rank: int) -> Any:
+    """The factors on the probabilities, multiplied, broadcastable to the scores (float32)."""
+    prog = match.program
+    f = None if prog.const_factor is None else jnp.asarray(prog.const_factor, jnp.float32)
+    for side in prog.factors:
+        val = _layout.to_scores(jnp.asarray(env[side.id], jnp.float32), side.amap, rank, jnp)
+        f = val if f is None else f * val
+    return f
 
 
 def _length(side: Any, env: dict[int, Any], lay: Layout) -> Any:

@@ -11,7 +11,7 @@ import numpy as np
 from .. import _compat, _walk
 from . import _layout, _mask, _roles, _scores, _span
 from ._graph import Graph
-from ._match import Layout, LeftAlone, Match, Operand, Program
+from ._match import Layout, LeftAlone, Match, Operand, Program, Side
 from ._softmax import Softmax, find_softmaxes
 
 _HALF = ("float16", "bfloat16")
@@ -92,6 +92,8 @@ def _one(g: Graph, sm: Softmax, dtype: np.dtype, max_head_dim: int, taken: froze
         try:
             scores = _scores.replay(g, steps, g.nodes[n])
             s = scores.amap[sm.axis]
+            if scores.merges.of(s) is not None:
+                raise _scores.Rejected("the softmax runs over axes of the product a reshape merged")
             if s < 0:
                 raise _scores.Rejected("the softmax runs over an axis the product lacks")
             prod = _roles.product(g, n, s)
@@ -134,7 +136,7 @@ def _build(
     max_head_dim: int,
     taken: frozenset[int],
 ) -> Match:
-    vp = _roles.value_product(g, sm.p, scores.amap, prod)
+    vp = _roles.value_product(g, sm.p, scores.amap, prod, scores.merges)
     qp = _roles.peel(g, prod.q, scale=True, repeat=False, taken=taken)
     kp = _roles.peel(g, prod.k, scale=True, repeat=True, taken=taken)
     vv = _roles.peel(g, vp.v, scale=False, repeat=True, taken=taken)
@@ -148,6 +150,7 @@ def _build(
         kp = _roles.peel(g, prod.k, scale=True, repeat=False, taken=taken)
         vv = _roles.peel(g, vp.v, scale=False, repeat=False, taken=taken)
     layout = _layout_of(g, prod, vp, qp, kp, vv, repeat)
+    _span.unmerge_sides(g, scores)
     parts = _mask.classify(g, scores, layout)
     out_id, out_amap, tail, q_routed = _span.tail(g, g.nodes[vp.node].outs[0], vp.out_amap, parts.q_len, layout)
     layout = dataclasses.replace(layout, out_amap=out_amap)
@@ -163,11 +166,12 @@ def _build(
     _span.check(g, set(tops), out_id, sm)
 
     lengths = [ln.side for ln in (parts.kv_len, parts.q_len) if ln is not None]
+    factors, const_factor = _factors(g, vp, len(layout.lout_shape))
     roots = [
         _span.ident(qp.src),
         _span.ident(kp.src),
         _span.ident(vv.src),
-        *(s.id for s in [*parts.masks, *parts.biases, *lengths]),
+        *(s.id for s in [*parts.masks, *parts.biases, *lengths, *factors]),
     ]
     input_ids, nodes, consts = _span.program(g, roots, set(tops), core)
     program = Program(
@@ -183,6 +187,8 @@ def _build(
         parts.q_len.side if parts.q_len else None,
         const_mask,
         parts.const_bias,
+        factors=tuple(factors),
+        const_factor=const_factor,
     )
     inputs = tuple(g.var_of_id[i] for i in input_ids)
     out_aval = g.aval(out_id)
@@ -200,7 +206,7 @@ def _build(
         mask=mask,
         kv_heads=kv_heads,
         groups=groups,
-        idiom=_idiom(sm, parts, qp, kp, layout),
+        idiom=_idiom(sm, parts, qp, kp, layout, bool(scores.merges.parts), bool(vp.factors)),
         compute_dtype=dtype,
         out_shape=tuple(out_aval.shape),
         out_dtype=np.dtype(out_aval.dtype),
@@ -284,7 +290,29 @@ def _operand(
     return Operand(input_ids.index(src), tuple(aval.shape), np.dtype(aval.dtype), tuple(roles))
 
 
-def _idiom(sm: Softmax, parts: _mask.Parts, qp: _roles.Peeled, kp: _roles.Peeled, layout: Layout) -> str:
+def _factors(g: Graph, vp: _roles.ValueProduct, rank: int) -> tuple[list[Side], np.ndarray | None]:
+    """The factors on the probabilities: the traced ones, and the product of the constant
+    ones broadcastable to the scores (None where there is none, or it is all ones)."""
+    traced: list[Side] = []
+    const = None
+    for atom, famap in vp.factors:
+        if not g.foldable(atom):
+            traced.append(Side(_span.ident(atom), famap))
+            continue
+        val = _layout.to_scores(np.asarray(g.value(atom), np.float32), famap, rank)
+        const = val if const is None else const * val
+    return traced, None if const is None or np.all(const == 1) else const
+
+
+def _idiom(
+    sm: Softmax,
+    parts: _mask.Parts,
+    qp: _roles.Peeled,
+    kp: _roles.Peeled,
+    layout: Layout,
+    merged: bool = False,
+    factors: bool = False,
+) -> str:
     base = "jax.nn.dot_product_attention(xla)" if _JAXNN_FILL in parts.fills else "einsum + softmax"
     extras = []
     if qp.scale != 1.0 or kp.scale != 1.0:
@@ -293,6 +321,10 @@ def _idiom(sm: Softmax, parts: _mask.Parts, qp: _roles.Peeled, kp: _roles.Peeled
         extras.append("repeated kv heads")
     elif any(layout.lout_shape[a] > 1 for a in layout.groups):
         extras.append("grouped query heads")
+    if merged:
+        extras.append("scores reshaped")
+    if factors:
+        extras.append("factor on the probabilities")
     if parts.additive:
         extras.append("additive mask")
     if sm.form != "inline":

@@ -114,6 +114,8 @@ class Program:
     q_lengths: Side | None = None
     const_mask: np.ndarray | None = None  # broadcastable to the scores; True keeps
     const_bias: np.ndarray | None = None  # broadcastable to the scores, already scaled
+    factors: tuple[Side, ...] = ()  # traced factors on the probabilities (on the output, per head)
+    const_factor: np.ndarray | None = None  # broadcastable to the scores, size 1 along the keys
 
 
 @dataclass(frozen=True, eq=False)

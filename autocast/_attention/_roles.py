@@ -6,13 +6,21 @@ k), q's free axes (the queries `T`, and any other query-only axes: grouped-query
 contracted axis is the head dimension `H`. The `p . v` product must contract exactly
 the keys, pair exactly the scores' batch axes with v's, and leave q's free axes and one
 axis of v (`Hv`). No axis is ever identified by its position or its size.
+
+On their way to the value product the probabilities may be split back where the scores
+were merged (`_layout.regrouped`), and multiplied by *factors* that do not vary along the
+keys (Hugging Face's head mask, `einsum("...hqk,h->...hqk", p, head_mask)` or
+`p * head_mask[:, None, None]`): such a factor commutes with the value product, which
+contracts only the keys, and the call multiplies its output by it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import _layout
+import jax.numpy as jnp
+
+from . import _layout, _mask, _span, _vocab
 from ._graph import Atom, Graph, Node
 from ._scores import Rejected, uniform
 
@@ -75,21 +83,25 @@ def product(g: Graph, n: int, s: int) -> Product:
 @dataclass
 class ValueProduct:
     """The `p . v` product: v, its axis map and the output's axis map (score axes,
-    `HV` for v's head dimension, `-1` for size-1 axes)."""
+    `HV` for v's head dimension, `-1` for size-1 axes), and the factors on the
+    probabilities before it (each a value and its axes as score axes)."""
 
     node: int
     v: Atom
     v_map: tuple[int, ...]
     out_amap: tuple[int, ...]
-    steps: list[int] = field(default_factory=list)  # layout equations between p and it
+    steps: list[int] = field(default_factory=list)  # equations between p and it
+    factors: list[tuple[Atom, _layout.AxisMap]] = field(default_factory=list)
 
 
-_FORWARD = frozenset({"convert_element_type", "transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
-
-
-def value_product(g: Graph, p: int, amap: _layout.AxisMap, prod: Product) -> ValueProduct:
-    """Follow the probabilities `p` (axis map `amap`) to the `p . v` product."""
-    steps = []
+def value_product(
+    g: Graph, p: int, amap: _layout.AxisMap, prod: Product, merges: _layout.Merges | None = None
+) -> ValueProduct:
+    """Follow the probabilities `p` (axis map `amap`, its merged axes in `merges`) to the
+    `p . v` product, through layout equations and factors that do not vary along the keys."""
+    merges = _layout.Merges() if merges is None else merges
+    steps: list[int] = []
+    factors: list[tuple[Atom, _layout.AxisMap]] = []
     cur = p
     while True:
         readers = g.readers.get(cur, [])
@@ -97,22 +109,31 @@ def value_product(g: Graph, p: int, amap: _layout.AxisMap, prod: Product) -> Val
             raise Rejected("the probabilities are read more than once (an attention map returned or stored)")
         n = readers[0]
         node = g.nodes[n]
-        if node.name == "dot_general":
+        if node.name == "dot_general" and not _scales(g, node, cur):
             break
-        if node.name not in _FORWARD and not (
+        if node.name in ("mul", "dot_general"):
+            atom, famap, amap = _factor(g, node, cur, amap, prod, merges)
+            factors.append((atom, famap))
+        elif node.name not in _vocab.FORWARD or (
             node.name == "broadcast_in_dim"
-            and _layout.broadcast_inserts(g.shape(cur), g.shape(node.outs[0]), node.params["broadcast_dimensions"])
+            and not _layout.broadcast_inserts(g.shape(cur), g.shape(node.outs[0]), node.params["broadcast_dimensions"])
         ):
             raise Rejected(dropout_or(g, node, f"`{node.name}` on the probabilities before the value product"))
-        if node.name == "transpose":
+        elif node.name == "transpose":
             amap = _layout.transposed(amap, node.params["permutation"])
-        elif node.name in ("reshape", "squeeze", "expand_dims", "broadcast_in_dim"):
-            new = _layout.reshaped(g.shape(cur), g.shape(node.outs[0]), amap)
+        elif node.name in _vocab.LAYOUT:
+            new = _layout.regrouped(g.shape(cur), g.shape(node.outs[0]), amap, merges)
             if new is None:
-                raise Rejected(f"`{node.name}` reshapes the probabilities")
+                raise Rejected(
+                    f"`{node.name}` splits the probabilities' merged heads otherwise than the scores' reshape merged them"
+                    if _layout.merged(amap)
+                    else f"`{node.name}` reshapes the probabilities from {list(g.shape(cur))} to {list(g.shape(node.outs[0]))}"
+                )
             amap = new
         steps.append(n)
         cur = node.outs[0]
+    if _layout.merged(amap):
+        raise Rejected("the probabilities reach the value product with axes a reshape merged (not split back)")
     pi = node.ins.index(cur)
     vi = 1 - pi
     (cl, cr), (bl, br) = node.params["dimension_numbers"]
@@ -139,10 +160,48 @@ def value_product(g: Graph, p: int, amap: _layout.AxisMap, prod: Product) -> Val
     v_map[vfree[0]] = _layout.HV
     p_out = [amap[d] for d in pfree]
     out_amap = pbatch + (p_out + [_layout.HV] if pi == 0 else [_layout.HV] + p_out)
-    return ValueProduct(n, v, tuple(v_map), tuple(out_amap), steps)
+    return ValueProduct(n, v, tuple(v_map), tuple(out_amap), steps, factors)
 
 
-_RANDOM_BITS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform", "random_wrap"})
+def _scales(g: Graph, node: Node, cur: int) -> bool:
+    """Whether the `dot_general` `node` multiplies `cur` elementwise by a value of batch
+    axes only (`einsum("...hqk,h->...hqk", p, head_mask)`): no contraction, and every axis
+    of the other operand is a batch axis."""
+    (lc, rc), (lb, _) = node.params["dimension_numbers"]
+    other = node.ins[1 - node.ins.index(cur)]
+    return not lc and not rc and len(lb) == len(g.shape(other))
+
+
+def _factor(
+    g: Graph, node: Node, cur: int, amap: _layout.AxisMap, prod: Product, merges: _layout.Merges
+) -> tuple[Atom, _layout.AxisMap, _layout.AxisMap]:
+    """A factor on the probabilities `cur` (a `mul`, or a `dot_general` that `_scales`):
+    `(its value, that value's axes as score axes, the probabilities' map after it)`.
+
+    Raises:
+        Rejected: Dropout, or a factor that varies along the keys.
+    """
+    if (reason := dropout_or(g, node, "")) != "":
+        raise Rejected(reason)
+    pi = node.ins.index(cur)
+    other = node.ins[1 - pi]
+    if node.name == "mul":
+        famap, out = _layout.operand(g.shape(other), amap), amap
+    else:
+        (_, _), (lb, rb) = node.params["dimension_numbers"]
+        pb, ob = (lb, rb) if pi == 0 else (rb, lb)
+        fm = [-1] * len(g.shape(other))
+        for d, e in zip(ob, pb):
+            fm[d] = amap[e]
+        famap = tuple(fm)
+        out = tuple([amap[d] for d in pb] + [m for d, m in enumerate(amap) if d not in pb])
+    atom, famap = _mask.peel_layout(g, other, famap)
+    atom, famap = _span.unmerged(g, atom, famap, merges)
+    if any(m == prod.s and d != 1 for m, d in zip(famap, g.shape(atom))):
+        raise Rejected(
+            "the probabilities are multiplied by a value that varies along the keys (a mask after the softmax)"
+        )
+    return atom, famap, out
 
 
 def dropout_or(g: Graph, node: Node, reason: str) -> str:
@@ -160,7 +219,7 @@ def dropout_or(g: Graph, node: Node, reason: str) -> str:
         if i in seen or n is None:
             continue
         seen.add(i)
-        if n.name in _RANDOM_BITS:
+        if n.name in _vocab.RANDOM:
             return "dropout on the probabilities (the kernel cannot reproduce its random mask)"
         stack.extend(a for a in n.ins if isinstance(a, int))
     return reason
@@ -192,7 +251,7 @@ def peel(g: Graph, atom: Atom, *, scale: bool, repeat: bool, taken: frozenset[in
         if name == "transpose":
             out.axes = _layout.untransposed(out.axes, node.params["permutation"])
         elif name == "convert_element_type":
-            if g.aval(node.ins[0]).dtype.kind != "f" and g.aval(node.ins[0]).dtype.name != "bfloat16":
+            if not jnp.issubdtype(g.aval(node.ins[0]).dtype, jnp.floating):
                 break
         elif name in ("mul", "div") and scale:
             consts = [i for i, a in enumerate(node.ins) if uniform(g, a) is not None]

@@ -82,6 +82,7 @@ class Scores:
     scale: float = 1.0
     biases: list[Bias] = field(default_factory=list)
     wheres: list[Where] = field(default_factory=list)
+    merges: _layout.Merges = field(default_factory=_layout.Merges)  # axes a reshape merged
 
 
 class Rejected(Exception):
@@ -183,7 +184,7 @@ def _apply(g: Graph, node: Node, i: int, state: Scores) -> None:
         name == "broadcast_in_dim"
         and _layout.broadcast_inserts(shape_in, shape_out, node.params["broadcast_dimensions"])
     ):
-        amap = _layout.reshaped(shape_in, shape_out, state.amap)
+        amap = _layout.regrouped(shape_in, shape_out, state.amap, state.merges)
         if amap is None:
             raise Rejected(f"`{name}` reshapes the scores from {list(shape_in)} to {list(shape_out)}")
         state.amap = amap

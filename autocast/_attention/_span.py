@@ -1,15 +1,18 @@
 """The span a match replaces: its output (after the value product), the check that nothing
-outside reads its values, and the program that computes its side values from its inputs."""
+outside reads its values, its side values with the scores' axes (`unmerged`), and the
+program that computes them from its inputs."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from .. import _walk
 from . import _layout, _mask
-from ._graph import Atom, Graph
+from ._graph import Atom, Graph, Lit
 from ._match import Layout
-from ._scores import Rejected
+from ._scores import Rejected, Scores
 from ._softmax import Softmax
 
 
@@ -59,6 +62,42 @@ def zeroes(g: Graph, factor: Atom, amap: tuple[int, ...], q_len: _mask.Length, l
     famap = tuple(-1 if m == _layout.HV else m for m in famap)
     found = _mask.length(g, atom, famap, True, layout)
     return found is not None and found.axis == layout.t and found.side == q_len.side
+
+
+def unmerged(g: Graph, atom: Atom, amap: _layout.AxisMap, merges: _layout.Merges) -> tuple[Atom, _layout.AxisMap]:
+    """A side value `atom` read where axes of the scores are merged (`amap` holds merged
+    entries) as a value whose map names score axes only: a merged axis of size 1 is one the
+    value lacks; a constant is split into the merged parts (a literal of its value); a
+    traced value is followed back through `broadcast_in_dim` and `transpose` to where it
+    does not vary along the merged axis.
+
+    Raises:
+        Rejected: A traced value varies along a merged axis (a value per merged head).
+    """
+    amap = tuple(-1 if merges.of(m) is not None and d == 1 else m for m, d in zip(amap, g.shape(atom)))
+    if not _layout.merged(amap):
+        return atom, amap
+    if g.foldable(atom):
+        val, amap = _layout.split_merged(g.value(atom), amap, merges)
+        return Lit(val, jax.ShapeDtypeStruct(val.shape, val.dtype)), amap
+    node = g.node_of(atom)
+    if node is not None and node.name == "broadcast_in_dim":
+        return unmerged(g, node.ins[0], _layout.through_broadcast(amap, node.params["broadcast_dimensions"]), merges)
+    if node is not None and node.name == "transpose":
+        return unmerged(g, node.ins[0], _layout.untransposed(amap, node.params["permutation"]), merges)
+    raise Rejected(
+        "a traced mask, bias or factor varies along axes of the scores a reshape merged (one per merged head)"
+    )
+
+
+def unmerge_sides(g: Graph, scores: Scores) -> None:
+    """Every bias and mask of `scores` with the scores' own axes (`unmerged`), in place."""
+    if not scores.merges.parts:
+        return
+    for b in scores.biases:
+        b.atom, b.amap = unmerged(g, b.atom, b.amap, scores.merges)
+    for w in scores.wheres:
+        w.pred, w.amap = unmerged(g, w.pred, w.amap, scores.merges)
 
 
 def check(g: Graph, tops: set[int], out: int, sm: Softmax) -> None:
