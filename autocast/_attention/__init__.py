@@ -35,31 +35,35 @@ batch axis is the kernel's heads axis is a layout choice (q's last batch axis, o
 repeated one); nothing is identified by position or size, so a key
 transposed "wrongly" (pytorch#195320) is rewritten as what it computes.
 
-**Mask classes** (`_mask`, `MaskKind`). The masks (each `select_n`, and each
-constant additive bias of zeros and numbers <= -1e4 or -inf) are split into conjuncts
-through `and`/`not`/`or` and layout equations. A constant conjunct (it depends on no
+**Mask classes** (`_mask`, `MaskKind`). The masks (each `select_n`, each constant
+additive bias of zeros and numbers <= -1e4 or -inf, and each traced bias that provably
+takes the two values 0 and one number that absorbs the scores, `_scores.ABSORBED`: Flax's
+and Hugging Face's `select(m > 0, 0, finfo.min)`, also as a term of a sum) are split into
+conjuncts through `and`/`not`/`or`, layout equations and boolean converts (`ne(convert(b),
+0)`: Flax's `combine_masks`). A constant conjunct (it depends on no
 input: `iota`, comparisons, `jnp.tril`, captured arrays) is evaluated at trace time
 and becomes `is_causal` (exactly `tril` with T == S; cuDNN and XLA agree on it only
 there), `is_causal` + `local_window_size=(w, 0)` (a causal band), nothing (all true), or
 a constant `mask=`. `iota_S < n` with `n` traced and integer is
 `key_value_seq_lengths`; `iota_T < n` is `query_seq_lengths` only where the original
 also zeroes those output rows, else a mask. Any other boolean goes to `mask=`; traced
-additive biases (and constant ones that are not masks) to `bias=`; both broadcast to the
-full `T x S` (cuDNN rejects a broadcast T or S).
+additive biases (and constant ones that are not masks) to `bias=`, summed and scaled in the
+chain's order; both broadcast to the full `T x S` (cuDNN rejects a broadcast T or S). A
+learned bias beside masks may mask a row on its own: the masks are then folded into it
+(their one absorbing fill), and every bias term stays a bias.
 
 **What is left alone, and why** (`LeftAlone` with the reason): dropout on the
 probabilities (the kernel cannot reproduce its random mask); softcapping (`tanh`); a
 traced scale; a second reader of the scores or the probabilities (a returned or sown
 attention map); a bias added after a mask; a fill that is not a large negative number;
-a `-inf` fill where a query row may be fully masked (the original gives NaN there, the
-kernel would not), an additive mask or different fills there (the original's result then
-depends on the scores); masks that depend on the scores; a softmax over a query or batch
+where a query row may be fully masked: masked values that differ (the original averages
+the keys of the largest) or depend on the scores (an additive `-1e9`); masks that depend on the scores; a softmax over a query or batch
 axis, or over merged axes; a value product that does not contract the softmax axis; a
 factor on the probabilities that varies along the keys; merged scores the probabilities
 do not split back the same way, or a traced side value varying along merged axes; head
 dimensions cuDNN rejects (not a multiple of 8, above `max_head_dim`, q/k and v different). A fully masked
-row of a finite fill averages the values uniformly in the original; the call sets that
-explicitly. Odd sequence lengths are padded by `pad_sequences` /
+row of one masked value averages the values uniformly in the original (NaN for `-inf`); the
+call sets that explicitly. Odd sequence lengths are padded by `pad_sequences` /
 `cudnn_plan` (padded keys masked, padded queries sliced off).
 
 **Use.** amp's rewrite is `_fuse.fuse`, run on each jaxpr amp evaluates before it is

@@ -58,6 +58,9 @@ def call(
     causal = MaskKind.CAUSAL in match.mask.kind
     window = (match.mask.window, 0) if match.mask.window is not None else None
     t, s = q.shape[1], k.shape[1]
+    if prog.fold_fill is not None:
+        bias = _folded_bias(mask, kv_len, bias, prog.fold_fill, s)
+        mask = kv_len = None
     qp, kp, vp, maskp, biasp, kvp = _pad(match.seq_multiple, q, k, v, mask, bias, kv_len)
     out = jax.nn.dot_product_attention(
         qp,
@@ -101,12 +104,35 @@ def _mask(match: Match, env: dict[int, Any], rank: int) -> Any:
 
 
 def _bias(match: Match, env: dict[int, Any], rank: int) -> Any:
+    """The biases summed and scaled in the chain's order (so that a sum that overflows to
+    `-inf` in the original does here), plus the constant bias."""
     prog = match.program
-    b = None if prog.const_bias is None else jnp.asarray(prog.const_bias)
-    for side in prog.biases:
-        val = _layout.to_scores(jnp.asarray(env[side.id]), side.amap, rank, jnp) * side.coef
-        b = val if b is None else b + val
+    b = None
+    for op in prog.bias_recipe:
+        if op[0] == "add":
+            total = None
+            for pos, sign in op[1]:
+                side = prog.biases[pos]
+                val = _layout.to_scores(jnp.asarray(env[side.id]), side.amap, rank, jnp)
+                total = sign * val if total is None else total + sign * val
+            b = op[2] * total if b is None else b + op[2] * total
+        elif op[0] == "convert":
+            b = b.astype(op[1])
+        else:
+            b = b * op[1] if op[0] == "mul" else b / op[1]
+    if prog.const_bias is not None:
+        b = jnp.asarray(prog.const_bias) if b is None else b + prog.const_bias
     return None if b is None else _layout.side_to_kernel(b, match.layout)
+
+
+def _folded_bias(mask: Any, kv_len: Any, bias: Any, fill: Any, s: int) -> Any:
+    """The bias with the masks folded into it: `fill` where they mask (the same scores
+    at the softmax: `fill` absorbs the scores, `_scores.ABSORBED`)."""
+    keep = True if mask is None else mask
+    if kv_len is not None:
+        keep = keep & (jnp.arange(s)[None, None, None, :] < kv_len[:, None, None, None])
+    bias = jnp.zeros((), jnp.float32) if bias is None else bias
+    return jnp.where(keep, bias, jnp.asarray(fill, bias.dtype))
 
 
 def _factor(match: Match, env: dict[int, Any], rank: int) -> Any:
@@ -127,8 +153,11 @@ def _length(side: Any, env: dict[int, Any], lay: Layout) -> Any:
 
 
 def _pad(multiple: int, q: Any, k: Any, v: Any, mask: Any, bias: Any, kv_len: Any) -> tuple[Any, ...]:
-    """Queries and keys padded to `multiple` (the padded keys masked by the kv lengths,
-    the padded queries sliced off by the caller): the same computation."""
+    """Queries and keys padded to `multiple` (the padded keys masked by the kv lengths, or
+    by a `-inf` bias where there is a bias, the padded queries sliced off by the caller):
+    the same computation. With a bias, the kernel's own mask value (`jax.nn`'s XLA path:
+    `-0.7 * finfo.max`) would be above a `finfo.min` bias, which a row may hold for every
+    real key: a padded key must be below every real one."""
     t, s = q.shape[1], k.shape[1]
     tp, sp = -(-t // multiple) * multiple, -(-s // multiple) * multiple
     if (tp, sp) == (t, s):
@@ -145,16 +174,18 @@ def _pad(multiple: int, q: Any, k: Any, v: Any, mask: Any, bias: Any, kv_len: An
     if mask is not None:  # padded queries keep the real keys (no empty row), padded keys drop
         mask = along(along(jnp.broadcast_to(mask, (*mask.shape[:2], t, s)), 2, tp - t, True), 3, sp - s, False)
     if bias is not None:
-        bias = along(along(bias, 2, tp - t), 3, sp - s)
+        bias = along(along(bias, 2, tp - t), 3, sp - s, -jnp.inf)
+        return q, k, v, mask, bias, kv_len
     b = q.shape[0]
     kv_len = jnp.full((b,), s, jnp.int32) if kv_len is None else jnp.minimum(kv_len, s)
     return q, k, v, mask, bias, kv_len
 
 
 def _fill_empty_rows(match: Match, out: Any, v: Any, mask: Any, kv_len: Any, q_len: Any, t: int, s: int) -> Any:
-    """Rows whose every key is masked: the original's softmax is uniform there (its fill is
-    the same finite number for every key), so the output is the mean of the values; set it
-    explicitly (a fused kernel may not average them)."""
+    """Rows whose every key is masked: the original's softmax is uniform there (every
+    masked value is the same number, `_mask.finish` proved it), so the output is the mean
+    of the values, or NaN where that number is `-inf`; set it explicitly (a fused kernel
+    may not average them)."""
     rows, cols = np.indices((t, s))
     keep = np.ones((t, s), bool)
     if MaskKind.CAUSAL in match.mask.kind:
@@ -173,6 +204,8 @@ def _fill_empty_rows(match: Match, out: Any, v: Any, mask: Any, kv_len: Any, q_l
     groups = out.shape[2] // mean.shape[1]
     mean = jnp.repeat(mean, groups, axis=1)[:, None]  # [B, 1, N, Hv]
     empty = jnp.transpose(empty, (0, 2, 1))[..., None]  # [B|1, T, N|1, 1]
+    if match.mask.empty_nan:
+        return out + jnp.where(empty, jnp.nan, 0).astype(out.dtype)
     return jnp.where(empty, mean.astype(out.dtype), out)
 
 

@@ -154,7 +154,7 @@ def _build(
     parts = _mask.classify(g, scores, layout)
     out_id, out_amap, tail, q_routed = _span.tail(g, g.nodes[vp.node].outs[0], vp.out_amap, parts.q_len, layout)
     layout = dataclasses.replace(layout, out_amap=out_amap)
-    mask, const_mask = _mask.finish(parts, layout, q_routed)
+    mask, const_mask, fold_fill = _mask.finish(parts, layout, q_routed)
     if parts.q_len is not None and not q_routed:  # an ordinary mask, then
         parts.masks.append(parts.q_len.leaf)
         parts.q_len = None
@@ -187,6 +187,8 @@ def _build(
         parts.q_len.side if parts.q_len else None,
         const_mask,
         parts.const_bias,
+        fold_fill=fold_fill,
+        bias_recipe=_mask.bias_recipe(parts),
         factors=tuple(factors),
         const_factor=const_factor,
     )

@@ -51,11 +51,17 @@ class Mask:
         window: The left window (keys `t - window .. t`) with `MaskKind.WINDOW`.
         may_empty: Some query row may have every key masked (the original then averages
             all values uniformly; the call reproduces that explicitly).
+        empty_nan: Such a row is NaN in the original (every masked value is `-inf`); the
+            call gives NaN there.
+        folded: The masks are folded into the bias (a learned bias beside them could mask
+            a row on its own): the kernel reads the bias and no mask.
     """
 
     kind: MaskKind
     window: int | None = None
     may_empty: bool = False
+    empty_nan: bool = False
+    folded: bool = False
 
     def describe(self) -> str:
         if not self.kind:
@@ -64,6 +70,8 @@ class Mask:
         text = " + ".join(n.replace("_", " ") for n in names)
         if self.window is not None:
             text += f" (window {self.window})"
+        if self.folded:
+            text += " (the masks folded into it)"
         return text
 
 
@@ -114,6 +122,8 @@ class Program:
     q_lengths: Side | None = None
     const_mask: np.ndarray | None = None  # broadcastable to the scores; True keeps
     const_bias: np.ndarray | None = None  # broadcastable to the scores, already scaled
+    fold_fill: Any = None  # not None: the masks are folded into the bias, this where masked
+    bias_recipe: tuple[tuple[Any, ...], ...] = ()  # how `biases` sum as the chain sums them (`_mask.bias_recipe`)
     factors: tuple[Side, ...] = ()  # traced factors on the probabilities (on the output, per head)
     const_factor: np.ndarray | None = None  # broadcastable to the scores, size 1 along the keys
 

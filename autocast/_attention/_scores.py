@@ -47,6 +47,23 @@ LARGE_NEGATIVE = -1.0e4
 underflows below -104) for any scores within 9,000 of each other: the same assumption
 `jax.nn.dot_product_attention` makes with its own fill."""
 
+ABSORBED = 2.0**40
+"""Scores (with any learned bias added to them) are assumed smaller than this in magnitude.
+A masked value `c` absorbs them, `s + c == c` exactly, when a quarter of its unit in the last
+place is at least this (round to nearest, with the smaller spacing just below a power of two):
+`|c| >= 2**(40 + 2 + mantissa bits)`, float32 `2**65` (`finfo.min` and `jax.nn`'s
+`-0.7 * finfo.max` are), bfloat16 `2**49`, never in float16; `-inf` absorbs every finite
+score. An additive mask of such a value gives a masked key the same value whatever its score,
+as a `where` fill does (`_mask` computes what a fully masked row then gives)."""
+
+
+def absorbs(value: Any, dtype: Any) -> bool:
+    """Whether `value` (of `dtype`) absorbs every score smaller than `ABSORBED`."""
+    c = float(value)
+    if np.isnan(c) or c > 0:
+        return False
+    return bool(np.isneginf(c) or abs(c) >= 2.0 ** (40 + 2 + np.finfo(dtype).nmant))
+
 
 @dataclass(frozen=True)
 class Step:
@@ -82,6 +99,9 @@ class Scores:
     scale: float = 1.0
     biases: list[Bias] = field(default_factory=list)
     wheres: list[Where] = field(default_factory=list)
+    # What the chain does to a masked value, in order (`_mask` replays it): ("bias", index,
+    # sign), ("where", index, fill), ("mul" | "div", factor), ("shift", sign, value), ("convert", dtype).
+    ops: list[tuple[Any, ...]] = field(default_factory=list)
     merges: _layout.Merges = field(default_factory=_layout.Merges)  # axes a reshape merged
 
 
@@ -176,6 +196,7 @@ def _apply(g: Graph, node: Node, i: int, state: Scores) -> None:
             for w in state.wheres:
                 w.fill = np.asarray(w.fill).astype(dtype)
         state.dtype = dtype
+        state.ops.append(("convert", dtype))
         return
     if name == "transpose":
         state.amap = _layout.transposed(state.amap, node.params["permutation"])
@@ -204,6 +225,7 @@ def _apply(g: Graph, node: Node, i: int, state: Scores) -> None:
         if not np.isfinite(factor) or factor == 0.0:
             raise Rejected(f"the scale {factor} is not a finite nonzero number")
         _rescale(state, factor)
+        state.ops.append((name, np.asarray(val).astype(state.dtype)))
         return
     if name in ("add", "add_any", "sub"):
         if name == "sub" and i == 1:
@@ -217,9 +239,11 @@ def _apply(g: Graph, node: Node, i: int, state: Scores) -> None:
                     w.fill = (np.asarray(w.fill, state.dtype) + sign * np.asarray(shift, state.dtype)).astype(
                         state.dtype
                     )
+            state.ops.append(("shift", sign, np.asarray(shift).astype(state.dtype)))
             return
         if state.wheres:
             raise Rejected("a bias is added after a mask")
+        state.ops.append(("bias", len(state.biases), sign))
         state.biases.append(Bias(other, _layout.operand(g.shape(other), state.amap), sign))
         return
     if name == "select_n" and len(node.ins) == 3:
@@ -230,6 +254,7 @@ def _apply(g: Graph, node: Node, i: int, state: Scores) -> None:
         if fill is None:
             raise Rejected("the scores are replaced by a traced or non-uniform value where masked")
         pamap = _layout.operand(g.shape(pred), state.amap)
+        state.ops.append(("where", len(state.wheres), np.asarray(fill).astype(state.dtype)))
         state.wheres.append(Where(pred, pamap, keep=(i == 2), fill=np.asarray(fill).astype(state.dtype)))
         return
     if name == "tanh":
