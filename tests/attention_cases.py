@@ -376,6 +376,53 @@ LEFT_ALONE = [
 ]
 
 
+# --- issue 47: grouped query heads as reshaped scores, a factor on the probabilities -------
+
+
+def gqa_reshaped_scores(q, k, v, mask):  # Gemma, Flax NNX: scores [B, T, K, G, S] -> [B, T, N, S] and back
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    s = jnp.einsum("btkgh,bskh->btkgs", q.reshape(b, t, kv, n // kv, h), k) * SCALE
+    s = jnp.where(mask[:, :, None], s.reshape(b, t, n, -1), -0.7 * float(np.finfo(np.float32).max))
+    p = jax.nn.softmax(s).reshape(b, t, kv, n // kv, -1)
+    return jnp.einsum("btkgs,bskh->btkgh", p, v).reshape(b, t, n, h)
+
+
+def head_mask(q, k, v, heads):  # a factor per head on the probabilities (Hugging Face: a head mask)
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s) * heads[:, None, None], v)
+
+
+def gqa_regrouped(q, k, v):  # probabilities split [.., G, K, ..] where the scores merged [.., K, G, ..]
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    s = jnp.einsum("btkgh,bskh->btkgs", q.reshape(b, t, kv, n // kv, h), k) * SCALE
+    p = jax.nn.softmax(s.reshape(b, t, n, -1)).reshape(b, t, n // kv, kv, -1)
+    return jnp.einsum("btgks,bskh->btgkh", p, v)
+
+
+def key_factor(q, k, v, w):  # a factor along the keys after the softmax: not one on the output
+    p = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE)
+    return jnp.einsum("bnts,bsnh->btnh", p * w[:, None, None, :], v)
+
+
+MATCHES += [
+    Case(
+        "gqa_reshaped_scores",
+        _qkv_case(gqa_reshaped_scores, _traced_bool_mask(False), kv=N // 2),
+        MaskKind.MASK,
+        expect=_roles("BTNGH", "BSNH", "BSNH", groups=2, kv_heads=N // 2),
+    ),
+    Case("head_mask", _qkv_case(head_mask, np.array([0.5, 1.0, 0.0, 2.0], np.float32)), MaskKind.CAUSAL),
+]
+
+LEFT_ALONE += [
+    Case("gqa_regrouped", _qkv_case(gqa_regrouped, n=6, kv=2), reason="otherwise than the scores' reshape merged"),
+    Case("key_factor", _qkv_case(key_factor, _rand(B, T, seed=8)), reason="varies along the keys"),
+]
+
+
 # --- tracing and evaluating -------------------------------------------------------------
 
 SOFTMAX_FORMS = ["inline", "custom_jvp"] + (["custom_jvp3"] if _compat.has_flag("custom_jvp3") else [])
