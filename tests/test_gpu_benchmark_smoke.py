@@ -8,6 +8,7 @@ in no other, and ``n/a`` for the device memory a CPU does not report.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -128,6 +129,10 @@ def test_default_models():
 def test_bad_arguments_are_named():
     with pytest.raises(SystemExit):
         gpu._parse(["--repeats", "0"])
+    # rotated rounds: at least one, one compile at a time or more, all systems in one process
+    for bad in (["--rounds", "0"], ["--rounds", "2", "--compile-threads", "0"], ["--rounds", "2", "--isolate", "yes"]):
+        with pytest.raises(SystemExit):
+            gpu._parse(bad)
     with pytest.raises(ValueError, match="system 'nope' unknown"):
         gpu.build_system("nope", None, None, None)
 
@@ -253,11 +258,12 @@ def test_isolated_systems_say_where_their_process_time_goes(tmp_path, monkeypatc
 
 
 def test_attention_micro_benchmark(tmp_path):
-    """``python -m benchmarks.gpu_measured.attention --smoke``: the five variants of causal
+    """``python -m benchmarks.gpu_measured.attention --smoke``: the six variants of causal
     attention, forward + backward, on CPU. float32 is the reference's own code (error 0 at
     XLA:CPU's float32 matmuls); the bfloat16 variants are off by bfloat16's rounding, amp's
     unfused one no further than MPX's; without cuDNN amp's "fused" variant is its unfused
-    program (no fmha call, the same numbers) and the bare cuDNN call fails, saying why."""
+    program (no fmha call, the same numbers, the same program hash) and the cuDNN calls fail,
+    saying why."""
     from benchmarks.gpu_measured import attention
 
     report = attention.main(["--smoke", "--out-dir", str(tmp_path)])
@@ -272,7 +278,11 @@ def test_attention_micro_benchmark(tmp_path):
         assert 1e-4 < res[name]["grad_err"] < 0.05 and 1e-4 < res[name]["out_err"] < 0.05, (name, res[name])
     assert res["amp-bf16-xla"]["grad_err"] <= res["mpx-bf16"]["grad_err"]
     assert res["amp-bf16-fused"]["grad_err"] == res["amp-bf16-xla"]["grad_err"]
-    assert "cuDNN" in res["cudnn"]["error"]
+    assert "cuDNN" in res["cudnn"]["error"] and "cuDNN" in res["cudnn-from-f32"]["error"]
+    # compiled first, then timed in rotated rounds; amp's two programs are one off a GPU
+    assert report["rounds"] == 3 and report["orders"][1] == ["mpx-bf16", "amp-bf16-xla", "amp-bf16-fused", "fp32"]
+    assert all(len(res[n]["rounds_s"]) == 3 and "fp32" in res[n]["vs"] for n in ("fp32", "amp-bf16-fused"))
+    assert res["amp-bf16-fused"]["program_hash"] == res["amp-bf16-xla"]["program_hash"] != res["fp32"]["program_hash"]
     md = Path(report["paths"][0]).read_text()
     assert all(f"| {name} |" in md for name in attention.VARIANTS) and "failed: " in md
     with pytest.raises(ValueError, match="variant 'nope' unknown"):
@@ -312,3 +322,69 @@ def test_bert_batch_and_its_attention():
     ref = jax.jit(loss)(params, task.batch)
     half = jax.jit(autocast.amp(loss, compute_dtype=jnp.bfloat16))(params, task.batch)
     assert ref.dtype == jnp.float32 and jnp.isfinite(ref) and abs(float(half) - float(ref)) < 0.02 * abs(float(ref))
+
+
+LENT_SYSTEMS = ["autocast-bf16", "autocast-bf16-xla-attention", "mpx-bf16", "fp32"]
+
+
+def test_lent_attention_section_dry_run(tmp_path):
+    """``run_gpu_lent.sh COMMIT attention`` as the lent GPU runs it, at the smoke sizes on CPU
+    (issue 47). Each item compiles every system (variant) first and times them in five rotated
+    rounds: every system in every round, round ``r`` starting ``r`` systems later; per system the
+    median and spread over rounds, ratios to fp32 and MPX taken within each round, and the hash
+    of its program, recomputed here from the HLO the run saved. Off a GPU amp's attention is as
+    written, so amp bf16 and ``attention="xla"`` compile to the same program: the same hash,
+    and no other system shares it."""
+    import tarfile
+
+    from benchmarks.gpu_measured import rounds as R
+
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    out.mkdir()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OUT=str(out), AUTOCAST_LENT_TMP=str(tmp), AUTOCAST_LENT_SMOKE="1")
+    env |= {"AUTOCAST_LENT_DEADLINE_S": "900", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"}
+    script = ROOT / "benchmarks" / "gpu_measured" / "run_gpu_lent.sh"
+    proc = subprocess.run(
+        ["bash", str(script), "dry", "attention"], capture_output=True, text=True, env=env, timeout=900
+    )
+    log = (out / "log.txt").read_text()
+    assert proc.returncode == 0 and "== done" in log, proc.stderr[-3000:] + log[-3000:]
+    assert (
+        log.count("--stop-rounds-at") == 3 and log.count("--compile-threads 4") == 3
+    )  # the deadline reaches the rounds
+    with tarfile.open(out / "results.tgz") as tar:
+        tar.extractall(tmp_path / "results", filter="data")
+    with tarfile.open(out / "hlo.tar") as tar:
+        tar.extractall(tmp_path / "hlo", filter="data")
+    res_dir, hlo_dir = tmp_path / "results" / "res", tmp_path / "hlo" / "hlo"
+    for model in ("gpt2-small", "bert-base", "vit-base"):
+        (js,) = (res_dir / f"attention-{model}").glob("gpu-cpu-*-smoke.json")
+        report = json.loads(js.read_text())
+        assert report["args"]["rounds"] == 5 and report["args"]["round_steps"] == 5 and not report["isolated"]
+        res = report["models"][model]["runs"]["x1-triton"]["results"]
+        assert list(res) == LENT_SYSTEMS
+        for i, (name, r) in enumerate(res.items()):
+            assert "error" not in r, (model, name, r)
+            assert r["positions"] == [(i - k) % 4 for k in range(5)] and len(r["rounds_s"]) == 5
+            s = r["step_s"]
+            assert 0 < s["min"] <= s["median"] == r["median_step_s"] <= s["max"] and not r["rounds_cut"]
+            assert set(r["vs"]) == {"fp32", "mpx-bf16"} and r["vs"]["fp32"]["min"] <= r["vs"]["fp32"]["median"]
+            saved = gzip.decompress((hlo_dir / f"{model}-x1-triton-{name}.hlo.gz").read_bytes()).decode()
+            assert r["program_hash"] == R.program_hash(saved)
+        assert res["fp32"]["vs"]["fp32"] == {"median": 1.0, "min": 1.0, "max": 1.0, "iqr": 0.0}
+        assert res["autocast-bf16"]["program_hash"] == res["autocast-bf16-xla-attention"]["program_hash"]
+        assert len({res[n]["program_hash"] for n in ("autocast-bf16", "mpx-bf16", "fp32")}) == 3
+        assert res["autocast-bf16"]["loss0"] == res["autocast-bf16-xla-attention"]["loss0"]
+        md = js.with_suffix(".md").read_text()
+        assert "rotated rounds" in md and "Round orders: 1: autocast-bf16, autocast-bf16-xla-attention" in md
+        assert "5: autocast-bf16, autocast-bf16-xla-attention, mpx-bf16, fp32." in md
+        assert "Identical programs: autocast-bf16 = autocast-bf16-xla-attention (medians" in md
+        assert f"`{res['fp32']['program_hash'][:12]}`" in md
+    (js,) = (res_dir / "attention").glob("attention-cpu-*-smoke.json")
+    micro = json.loads(js.read_text())
+    assert micro["rounds"] == 5 and len(micro["orders"]) == 5
+    timed = [n for n, r in micro["results"].items() if "error" not in r]
+    assert timed == ["fp32", "mpx-bf16", "amp-bf16-xla", "amp-bf16-fused"] and micro["orders"][1][0] == "mpx-bf16"
+    r = micro["results"]
+    assert r["amp-bf16-fused"]["program_hash"] == r["amp-bf16-xla"]["program_hash"] != r["mpx-bf16"]["program_hash"]
+    assert "Identical programs: amp-bf16-xla = amp-bf16-fused." in js.with_suffix(".md").read_text()

@@ -23,7 +23,11 @@ the system uses it) of every system is compiled and measured:
   step holds float8 GEMMs: ``__cublas$lt$matmul$f8`` custom calls in the compiled HLO (GPU),
   and dot_generals with ``f8E4M3FN`` operands in the lowered StableHLO (any backend), and
   the cuDNN fused attention calls in the compiled step (``__cudnn$fmha*``, forward and
-  backward: amp's fused attention, docs/attention.md).
+  backward: amp's fused attention, docs/attention.md);
+- ``--rounds N`` (the lent GPU's attention section, issue 47): the systems compiled first,
+  all resident in one process, then timed in N rotated rounds, with the ratios taken within
+  each round and each program's hash (:mod:`benchmarks.gpu_measured.rounds`): on a shared
+  GPU, systems timed one after another cannot be ranked.
 
 The backend is the one ``jax.devices()`` gives. Results go to
 ``benchmarks/results/gpu_measured/gpu-<device>-<date>.{md,json}`` with the device name, the versions and
@@ -69,6 +73,7 @@ import numpy as np
 import optax
 
 from benchmarks import _common as C
+from benchmarks.gpu_measured import rounds as R
 from benchmarks.gpu_modeled import hlo_model
 from benchmarks.gpu_modeled.deviceless import MODES, X1_ONLY
 from benchmarks.models.train_steps import (
@@ -130,22 +135,41 @@ def _tiled(batch: Any, mult: int) -> Any:
     return batch if mult == 1 else jax.tree_util.tree_map(lambda x: np.concatenate([np.asarray(x)] * mult), batch)
 
 
-def _prepare(task: Task, name: str, mode: str = "triton", hlo_path: Path | None = None, *, copy: bool = False):
-    """``name``'s step for ``task`` compiled as the ``--target`` report compiles it (inputs
-    donated, GEMM ``mode``), but also returning the gradient (for its error against fp32's);
-    run once: the step-0 gradient. Returns the system, a runner (one training step, the state
-    threaded through) and the figures of the compile, the modeled step of this very program
-    on a GPU (:func:`benchmarks.gpu_modeled.hlo_model.roofline`) among them. ``copy``: the step donates a
-    copy of the task's parameters (other systems use them too), else the task's own."""
+@dataclasses.dataclass
+class _Lowered:
+    """A system's step traced and lowered, not yet compiled (:func:`_lower`)."""
+
+    system: Any
+    state: list[Any]
+    lowered: Any
+    lower_s: float
+
+
+def _lower(task: Task, name: str, mode: str = "triton", *, copy: bool = False) -> _Lowered:
+    """``name``'s step for ``task`` traced and lowered as the ``--target`` report compiles it
+    (inputs donated, GEMM ``mode``), but also returning the gradient (for its error against
+    fp32's). ``copy``: the step donates a copy of the task's parameters (other systems use
+    them too), else the task's own."""
     params, static = eqx.partition(task.model, eqx.is_array)
     params = jax.tree_util.tree_map(lambda x: x.copy(), params) if copy else params
     opt = optax.adamw(1e-4, weight_decay=1e-4)
     system = build_system(name, task, static, opt)
     state = [*system.init(params, opt), system.scaler]
     options = {**(_compiler_options or {}), **(MODES[mode] or {})} or None
-    with system.context():
+    t0 = time.perf_counter()
+    with system.context():  # MPX reads its half dtype while tracing
         jitted = jax.jit(system.step, donate_argnums=(0, 1, 2), compiler_options=options)
-        (lowered, compiled), times = C.trace_lower_compile(jitted, *state, task.batch)
+        lowered = jitted.trace(*state, task.batch).lower()
+    return _Lowered(system, state, lowered, time.perf_counter() - t0)
+
+
+def _finish(task: Task, step: _Lowered, compiled: Any, compile_s: float, hlo_path: Path | None = None):
+    """The compiled step run once (the step-0 gradient). Returns a runner (one training step,
+    the state threaded through) and the figures of the compile, the modeled step of this very
+    program on a GPU (:func:`benchmarks.gpu_modeled.hlo_model.roofline`) and its
+    :func:`~benchmarks.gpu_measured.rounds.program_hash` among them; the HLO to ``hlo_path``."""
+    state = step.state
+    with step.system.context():
         out = C.block(compiled(*state, task.batch))  # step 0: its gradient
     state[:] = out[:3]
 
@@ -156,19 +180,30 @@ def _prepare(task: Task, name: str, mode: str = "triton", hlo_path: Path | None 
 
     hlo = compiled.as_text()
     info = {
-        "compile_s": times["total"],
-        "fp8": fp8_in_hlo(lowered, compiled),
+        "compile_s": step.lower_s + compile_s,
+        "fp8": fp8_in_hlo(step.lowered, compiled),
         "fused_attention": fused_attention_in_hlo(compiled),
         "loss0": float(out[3]),
         "grads0": jax.device_get(out[4]),
         "xla_memory": C.compiled_memory(compiled),
+        "program_hash": R.program_hash(hlo),
     }
     if jax.default_backend() == "gpu":
         info["roofline"] = hlo_model.roofline(hlo, hlo_model.chip_for(jax.devices()[0].device_kind))
     if hlo_path is not None:
         hlo_path.parent.mkdir(parents=True, exist_ok=True)
         hlo_path.write_bytes(gzip.compress(hlo.encode()))
-    return system, run, info
+    return run, info
+
+
+def _prepare(task: Task, name: str, mode: str = "triton", hlo_path: Path | None = None, *, copy: bool = False):
+    """``name``'s step for ``task`` lowered (:func:`_lower`), compiled and run once
+    (:func:`_finish`). Returns the system, the runner and the figures."""
+    step = _lower(task, name, mode, copy=copy)
+    t0 = time.perf_counter()
+    compiled = step.lowered.compile()
+    run, info = _finish(task, step, compiled, time.perf_counter() - t0, hlo_path)
+    return step.system, run, info
 
 
 def measure_in_process(
@@ -389,6 +424,13 @@ def table(title: str, desc: str, results: dict[str, dict[str, Any]], backend: st
     return "\n".join(rows)
 
 
+def _section(title: str, desc: str, res: dict[str, dict[str, Any]], backend: str, report: dict[str, Any]) -> str:
+    """A section's table: :func:`benchmarks.gpu_measured.rounds.table` for a ``--rounds`` run, else :func:`table`."""
+    if report["args"].get("rounds") is not None:
+        return R.table(title, desc, res, _fmha_cell)
+    return table(title, desc, res, backend)
+
+
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, few repeats: checks the code on any backend")
@@ -452,6 +494,16 @@ def _parse(argv):
         help="with --save-hlo: profile one more step of each system, its GPU time per kernel to "
         "DIR/<step>-<system>.kernels.json (python -m benchmarks.gpu_measured.kernel_times compares it with the model)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="compile every system first, in one process, then time them in this many rotated rounds "
+        "(benchmarks/gpu_measured/rounds.py); default: the interleaved steps above",
+    )
+    ap.add_argument("--round-steps", type=int, default=5, help="with --rounds: steps back to back per turn")
+    ap.add_argument("--compile-threads", type=int, default=1, help="with --rounds: programs compiled at once")
+    ap.add_argument("--stop-rounds-at", type=float, default=None, help="with --rounds: no round after (epoch s)")
     ap.add_argument("--_child", nargs=4, metavar=("MODEL", "SYSTEM", "MULT", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.models = args.models or list(TARGET_MODELS if args.target else DEFAULT_MODELS)
@@ -464,7 +516,14 @@ def _parse(argv):
         ap.error("--kernel-times: needs --save-hlo DIR (the kernel times are saved beside each step's HLO)")
     if any(m < 1 for m in args.batch_mults):
         ap.error(f"--batch-mults: got {args.batch_mults}; each must be an integer >= 1")
-    for flag, v, low in (("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0)):
+    if args.rounds is not None and (args.isolate == "yes" or args.kernel_times or args.target):
+        ap.error("--rounds: all systems in one process (not with --isolate yes, --kernel-times or --target)")
+    checks = [("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0), ("--round-steps", args.round_steps, 1)]
+    checks += [
+        ("--rounds", 1 if args.rounds is None else args.rounds, 1),
+        ("--compile-threads", args.compile_threads, 1),
+    ]
+    for flag, v, low in checks:
         if v < low:
             ap.error(f"{flag}: got {v}; must be an integer >= {low}")
     return args
@@ -489,7 +548,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     meta = C.metadata()
     backend = jax.default_backend()
     device = jax.devices()[0].device_kind
-    isolate = args.isolate == "yes" or (args.isolate == "auto" and backend != "cpu")
+    isolate = args.rounds is None and (args.isolate == "yes" or (args.isolate == "auto" and backend != "cpu"))
     names = list(args.systems)
     notes = []
     if "mpx-bf16" in names and not mpx_available():
@@ -528,13 +587,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             {} if final else {"partial": True}
                         )
                         report["notes"], report["wall_time_s"] = notes, time.perf_counter() - t0
-                        section = table(title if final else title + " (so far)", desc, res, backend)
+                        section = _section(title if final else title + " (so far)", desc, res, backend, report)
                         if final:
                             sections.append(section)
                             print(section, flush=True)
                         _write(stem, report, sections if final else [*sections, section])
 
-                    if isolate:
+                    if args.rounds is not None:
+                        res = R.measure_resident(
+                            _task(model, args.smoke, mult),
+                            names,
+                            rounds=args.rounds,
+                            steps=args.round_steps,
+                            warmup=args.warmup,
+                            mode=mode,
+                            hlo_prefix=_step_prefix(args, model, mult, mode),
+                            compile_threads=args.compile_threads,
+                            stop_at=args.stop_rounds_at,
+                            on_result=record,
+                        )
+                    elif isolate:
                         res = measure_isolated(args, model, names, mult, mode, Path(tmp), record)
                     else:
                         res = measure_in_process(
@@ -564,24 +636,37 @@ def _write(stem: Path, report: dict[str, Any], sections: list[str]) -> None:
     args, backend, device = report["args"], report["meta"]["backend"], report["meta"].get("device", "")
     chip = next((r["roofline"]["chip"] for e in report["models"].values() for run in e["runs"].values()
                  for r in run["results"].values() if "roofline" in r), None)  # fmt: skip
+    rounds = args.get("rounds")
     modeled = (
         f"Modeled: the roofline of the very program timed (its optimised HLO, `benchmarks/gpu_modeled/hlo_model.py`, at the "
-        f"{chip}'s datasheet rates: per kernel max(HBM bytes / bandwidth, GEMM FLOPs / peak) + 2 us), the "
-        "ratio to fp32 and MPX in brackets. The step is the `--target` report's (inputs donated, GEMM mode) "
-        "that also returns its gradient.\n\n"
+        f"{chip}'s datasheet rates: per kernel max(HBM bytes / bandwidth, GEMM FLOPs / peak) + 2 us), "
+        + ("in the .json (`roofline`). " if rounds is not None else "the ratio to fp32 and MPX in brackets. ")
+        + "The step is the `--target` report's (inputs donated, GEMM mode) that also returns its gradient.\n\n"
         if chip
         else ""
     )
+    if rounds is not None:
+        how = (
+            f"{args['warmup']} warm-up steps, then {rounds} rotated rounds of {args['round_steps']} steps per system, "
+            f"all systems compiled first ({args['compile_threads']} at a time) and resident in one process\n\n"
+            + R.METHOD
+            + "\n\n"
+        )
+    else:
+        how = (
+            f"{args['warmup']} warm-up and {args['repeats']} timed steps per system, "
+            f"{'each system in its own process' if report['isolated'] else 'all systems in one process, interleaved'}"
+            "\n\nStep times: the median of steps each waited for (the host's work per call included), and "
+            "back to back: steps dispatched without waiting, only the last waited for (the host prepares the "
+            "next call while the device runs; about the device's time per step). Ratios to fp32 and MPX: "
+            "waited-for / back-to-back.\n\n"
+        )
     md = (
         f"## Training-step benchmark ({backend}: {device})\n\nCommand: `{report['command']}`\n\n"
         f"{C.metadata_markdown(report['meta'])}"
-        f"- wall time: {wall / 60:.1f} min; {args['warmup']} warm-up and {args['repeats']} timed steps per system, "
-        f"{'each system in its own process' if report['isolated'] else 'all systems in one process, interleaved'}\n\n"
-        "Step times: the median of steps each waited for (the host's work per call included), and "
-        "back to back: steps dispatched without waiting, only the last waited for (the host prepares the "
-        "next call while the device runs; about the device's time per step). Ratios to fp32 and MPX: "
-        "waited-for / back-to-back.\n\n"
-        "Gradient error: relative L2 error of the step-0 gradient (all parameters) against fp32's, same "
+        f"- wall time: {wall / 60:.1f} min; "
+        + how
+        + "Gradient error: relative L2 error of the step-0 gradient (all parameters) against fp32's, same "
         "parameters and batch. fp8 GEMMs: cuBLASLt float8 GEMM custom calls in the compiled step (GPU), "
         "dot_generals with float8_e4m3fn operands in the lowered StableHLO.\n\n"
         + modeled
@@ -606,9 +691,8 @@ def reanalyse(json_path: Path, hlo_dir: Path, device_kind: str | None = None) ->
                 if "error" not in res and path.exists():
                     res["roofline"] = hlo_model.roofline(gzip.decompress(path.read_bytes()).decode(), chip)
             mult, mode = key.split("-", 1)
-            sections.append(
-                table(f"{model}, {mult}, {mode} GEMMs", run_["description"], run_["results"], report["meta"]["backend"])
-            )
+            title = f"{model}, {mult}, {mode} GEMMs"
+            sections.append(_section(title, run_["description"], run_["results"], report["meta"]["backend"], report))
     _write(json_path.with_suffix(""), report, sections)
     print(f"rewrote {json_path} and its .md from {hlo_dir} ({chip.name})")
 

@@ -4,8 +4,11 @@
 #   bash benchmarks/gpu_measured/run_gpu_lent.sh COMMIT [SECTION ...]   # from the repository root; results under $OUT
 # COMMIT names the code in the results (the copy may lack its .git); SECTIONs (1-5 and
 # attention, below; 1-5 by default) pick the runs, so that a lease can be split over calls.
-# AUTOCAST_LENT_SMOKE=1: the same runs at the smoke sizes (a dry run on any machine, CPU too). MPX, where it is not
-# installed there, travels as a copy of its package folder in .whl/site/mpx (PYTHONPATH).
+# AUTOCAST_LENT_SMOKE=1: the same runs at the smoke sizes (a dry run on any machine, CPU too;
+# tests/test_gpu_lent_rounds.py runs `attention` so). MPX, where it is not installed there,
+# travels as a copy of its package folder in .whl/site/mpx (PYTHONPATH; git ignores .whl/site,
+# `site/` in .gitignore: the device tool must carry it). The attention section compiles each item's systems
+# first, all in one process, then times them in rotated rounds (see `attention` below).
 # The runs go from the most to the least wanted (on an H200 about 75 s a step of GPT-2 small
 # before the shared compilation cache, half of it compiling the model's initialisation: a
 # 15-minute lease measures eight to twelve), each section written as soon as it is
@@ -48,8 +51,13 @@ late() {
   fi
   return 1
 }
-# XLA's autotuning results shared by the processes of a section (one per system): the bf16
-# systems of a model tune mostly the same GEMMs. Only where this XLA takes the flag (an
+# AUTOCAST_LENT_ROUNDS_END_S (default: the deadline + 90 s): no timing round starts after that
+# many seconds; the rounds run are reported (every system the same rounds, at least one)
+end_s=${AUTOCAST_LENT_ROUNDS_END_S:-}
+[ -z "$end_s" ] && [ "${AUTOCAST_LENT_DEADLINE_S:-0}" -gt 0 ] && end_s=$((AUTOCAST_LENT_DEADLINE_S + 90))
+stop_rounds=(); [ -n "$end_s" ] && stop_rounds=(--stop-rounds-at $((t0 + end_s)))
+# XLA's autotuning results shared by the processes of a section (one per system in sections
+# 1-5; one per item in attention): the bf16 systems of a model tune mostly the same GEMMs. Only where this XLA takes the flag (an
 # unknown XLA flag aborts the process).
 autotune_cache() {
   local flag=--xla_gpu_per_fusion_autotune_cache_dir=$T/autotune
@@ -77,20 +85,28 @@ section() {
   # micro-benchmark at GPT-2 small's shapes (five ways, fwd + bwd: ms, XLA temp, cuDNN calls,
   # gradient error), then the train steps of GPT-2 small, BERT-base (key-padding masks) and
   # ViT-Base (197 tokens, padded for cuDNN), the most wanted first; attention-micro,
-  # attention-gpt2, attention-bert, attention-vit: one item each (to split it over calls)
+  # attention-gpt2, attention-bert, attention-vit: one item each (to split it over calls).
+  # Issue 47: on a shared GPU one system timed after another cannot be ranked (two identical
+  # programs a minute apart: 30 %). Each item is one process: every system (variant) compiled
+  # first, AUTOCAST_LENT_COMPILE_THREADS (4) at a time, all resident, then timed in rotated
+  # rounds (AUTOCAST_LENT_ROUNDS x AUTOCAST_LENT_ROUND_STEPS, 5 x 5; benchmarks/gpu_measured/rounds.py):
+  # medians with their spread, ratios within each round, each program's hash
   attention) for t in attention-micro attention-gpt2 attention-bert attention-vit; do section $t; done ;;
   attention-micro)
     autotune_cache
     late "$1" && return
     echo "== $(($(date +%s) - t0)) s: attention micro-benchmark" | tee -a "$log"
-    python3 -m benchmarks.gpu_measured.attention ${smoke[@]+"${smoke[@]}"} --out-dir $R/attention 2>&1 | tee -a "$log"
+    python3 -m benchmarks.gpu_measured.attention ${smoke[@]+"${smoke[@]}"} --rounds "${AUTOCAST_LENT_ROUNDS:-5}" \
+      --out-dir $R/attention 2>&1 | tee -a "$log"
     pack ;;
   attention-gpt2|attention-bert|attention-vit)
     autotune_cache
     local m=${1#attention-}; m=${m/gpt2/gpt2-small}; m=${m/bert/bert-base}; m=${m/vit/vit-base}
     late "$1" && return
     run --models $m --systems autocast-bf16 autocast-bf16-xla-attention mpx-bf16 fp32 --modes triton \
-      --repeats 10 --out-dir $R/attention-$m ;;
+      --isolate no --rounds "${AUTOCAST_LENT_ROUNDS:-5}" --round-steps "${AUTOCAST_LENT_ROUND_STEPS:-5}" \
+      --compile-threads "${AUTOCAST_LENT_COMPILE_THREADS:-4}" ${stop_rounds[@]+"${stop_rounds[@]}"} \
+      --out-dir $R/attention-$m ;;
   *) echo "unknown section $1 (1-5, attention, attention-micro, attention-gpt2, attention-bert, attention-vit)" | tee -a "$log" ;;
   esac
 }
