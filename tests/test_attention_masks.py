@@ -148,6 +148,22 @@ def test_neg_inf_rows_are_nan_where_the_original_is():
     assert isinstance(m, Match) and m.mask.empty_nan
     out = np.asarray(evaluate(jax.make_jaxpr(fn)(*args), args)[0])
     assert np.isnan(out[1, 2]).all() and np.isfinite(np.delete(out.reshape(B * T, -1), T + 2, axis=0)).all()
+    # the gradients: NaN where the original's are (a loss that ignores the NaN row: the
+    # original's value product still multiplies its NaN probabilities, dv is NaN; the
+    # masking where keeps dq and dk finite)
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    m32 = dataclasses.replace(m, compute_dtype=np.dtype(np.float32))
+
+    def loss(matches, q, k, v):
+        out = evaluate(jaxpr, [q, k, v, mask], matches)[0]
+        return jnp.sum(jnp.where(jnp.isnan(out), 0.0, out) ** 2)
+
+    ref = jax.grad(lambda *a: loss([], *a), argnums=(0, 1, 2))(*args[:3])
+    new = jax.grad(lambda *a: loss([m32], *a), argnums=(0, 1, 2))(*args[:3])
+    assert [bool(np.isnan(r).any()) for r in ref] == [False, False, True]
+    for r, n in zip(ref, new):
+        np.testing.assert_array_equal(np.isnan(n), np.isnan(r))
+        np.testing.assert_allclose(n, r, rtol=2e-5, atol=2e-5, equal_nan=True)
 
 
 def test_a_padding_bias_that_does_not_absorb_the_scores():

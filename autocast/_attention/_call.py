@@ -4,8 +4,9 @@ trace-time cuDNN support query (`autocast._attention._fuse` emits the platform c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -19,7 +20,12 @@ _IMPLEMENTATIONS = ("xla", "cudnn")
 
 
 def call(
-    match: Match, inputs: Sequence[Any], *, implementation: Literal["xla", "cudnn"] = "xla", out_dtype: Any = None
+    match: Match,
+    inputs: Sequence[Any],
+    *,
+    implementation: Literal["xla", "cudnn"] = "xla",
+    out_dtype: Any = None,
+    attend: Callable[..., Any] | None = None,
 ) -> list[Any]:
     """The span's outputs, computed by one `jax.nn.dot_product_attention` call.
 
@@ -29,6 +35,9 @@ def call(
         implementation: The kernel, `"xla"` (runs anywhere) or `"cudnn"`; q, k and v are
             cast to `match.compute_dtype` and laid out as `[B, T, N, H]` for it.
         out_dtype: The dtype of the result (None: the original's).
+        attend: The kernel, called in place of `jax.nn.dot_product_attention` with its
+            arguments but `implementation` (None: that function; `_attention._fuse` passes
+            the fused call made differentiable in every mode, `_derivatives.differentiable`).
 
     Returns:
         The span's outputs (one), in the original's layout.
@@ -62,7 +71,9 @@ def call(
         bias = _folded_bias(mask, kv_len, bias, prog.fold_fill, s)
         mask = kv_len = None
     qp, kp, vp, maskp, biasp, kvp = _pad(match.seq_multiple, q, k, v, mask, bias, kv_len)
-    out = jax.nn.dot_product_attention(
+    if attend is None:
+        attend = functools.partial(jax.nn.dot_product_attention, implementation=implementation)
+    out = attend(
         qp,
         kp,
         vp,
@@ -73,7 +84,6 @@ def call(
         query_seq_lengths=q_len,
         key_value_seq_lengths=kvp,
         local_window_size=window,
-        implementation=implementation,
     )[:, :t]
     if match.mask.may_empty:
         out = _fill_empty_rows(match, out, v, mask, kv_len, q_len, t, s)
@@ -185,7 +195,9 @@ def _fill_empty_rows(match: Match, out: Any, v: Any, mask: Any, kv_len: Any, q_l
     """Rows whose every key is masked: the original's softmax is uniform there (every
     masked value is the same number, `_mask.finish` proved it), so the output is the mean
     of the values, or NaN where that number is `-inf`; set it explicitly (a fused kernel
-    may not average them)."""
+    may not average them). A NaN row is the kernel's row times NaN: its cotangent is NaN
+    too, so the gradients are NaN as the original's are (its softmax's backward pass
+    multiplies the NaN probabilities), not finite."""
     rows, cols = np.indices((t, s))
     keep = np.ones((t, s), bool)
     if MaskKind.CAUSAL in match.mask.kind:
@@ -204,8 +216,8 @@ def _fill_empty_rows(match: Match, out: Any, v: Any, mask: Any, kv_len: Any, q_l
     groups = out.shape[2] // mean.shape[1]
     mean = jnp.repeat(mean, groups, axis=1)[:, None]  # [B, 1, N, Hv]
     empty = jnp.transpose(empty, (0, 2, 1))[..., None]  # [B|1, T, N|1, 1]
-    if match.mask.empty_nan:
-        return out + jnp.where(empty, jnp.nan, 0).astype(out.dtype)
+    if match.mask.empty_nan:  # a product, so that NaN also reaches the gradients as in the original
+        return out * jnp.where(empty, jnp.nan, 1).astype(out.dtype)
     return jnp.where(empty, mean.astype(out.dtype), out)
 
 
