@@ -196,7 +196,7 @@ def _fill_empty_rows(match: Match, out: Any, v: Any, mask: Any, kv_len: Any, q_l
     masked value is the same number, `_mask.finish` proved it), so the output is the mean
     of the values, or NaN where that number is `-inf`; set it explicitly (a fused kernel
     may not average them). A NaN row is the kernel's row times NaN: its cotangent is NaN
-    too, so the gradients are NaN as the original's are (its softmax's backward pass
+    too, so the gradients are NaN where the original's are (its value product's backward pass
     multiplies the NaN probabilities), not finite."""
     rows, cols = np.indices((t, s))
     keep = np.ones((t, s), bool)
