@@ -152,7 +152,7 @@ def _terms(g: Graph, atom: Atom, amap: _layout.AxisMap, sign: float) -> list[tup
     """A bias as the terms of its sum, in order (through layout equations, `add`, `sub`)."""
     root, rmap = peel_layout(g, atom, amap)
     node = g.node_of(root)
-    if node is None or node.name not in ("add", "add_any", "sub") or g.foldable(root):
+    if node is None or node.name not in _vocab.SUMS or g.foldable(root):
         return [(atom, amap, sign)]
     a, b = node.ins
     second = -sign if node.name == "sub" else sign
@@ -245,6 +245,10 @@ def bias_recipe(parts: Parts) -> tuple[tuple[Any, ...], ...]:
     return tuple(out)
 
 
+_ARITHMETIC = {"mul": np.multiply, "div": np.divide, "add": np.add, "sub": np.subtract}
+"""A two-valued value stays two-valued through these, with a constant operand."""
+
+
 def _two_valued(g: Graph, atom: Atom, amap: _layout.AxisMap) -> tuple[Atom, _layout.AxisMap, Any, Any] | None:
     """`atom` as `(pred, its axis map, value where pred, value where not)` when it provably
     takes one of two constant values chosen by a boolean (values in `atom`'s dtype)."""
@@ -269,7 +273,7 @@ def _two_valued(g: Graph, atom: Atom, amap: _layout.AxisMap) -> tuple[Atom, _lay
     if name == "neg":
         inner = _two_valued(g, node.ins[0], amap)
         return None if inner is None else (*inner[:2], -inner[2], -inner[3])
-    if name not in ("mul", "div", "add", "sub") or len(node.ins) != 2:
+    if name not in _ARITHMETIC or len(node.ins) != 2:
         return None
     consts = [uniform(g, x) for x in node.ins]
     if sum(c is not None for c in consts) != 1:
@@ -279,9 +283,9 @@ def _two_valued(g: Graph, atom: Atom, amap: _layout.AxisMap) -> tuple[Atom, _lay
     if inner is None:
         return None
     c = np.asarray(consts[1 - i], dtype)
-    ops = {"mul": np.multiply, "div": np.divide, "add": np.add, "sub": np.subtract}
+    op = _ARITHMETIC[name]
     with np.errstate(all="ignore"):
-        vals = [ops[name](x, c) if i == 0 else ops[name](c, x) for x in inner[2:]]
+        vals = [op(x, c) if i == 0 else op(c, x) for x in inner[2:]]
     return inner[0], inner[1], *(np.asarray(v).astype(dtype) for v in vals)
 
 
@@ -314,7 +318,7 @@ def _conjuncts(g: Graph, atom: Atom, amap: _layout.AxisMap, positive: bool) -> l
         return _conjuncts(g, node.ins[0], amap, not positive)
     if node.name == "convert_element_type" and np.dtype(g.aval(node.ins[0]).dtype) == np.dtype(bool):
         return _conjuncts(g, node.ins[0], amap, positive)
-    if node.name in ("ne", "gt", "lt", "eq"):
+    if node.name in _vocab.COMPARISONS:
         found = _as_bool(g, node)
         if found is not None:
             x, same = found

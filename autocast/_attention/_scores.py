@@ -7,39 +7,23 @@ softmax's input; `replay` walks one forward from the product and reduces it to
 masks with their fill values, and the axis map of the softmax's input. Anything else on the
 chain (a traced scale, softcapping, a bias added after a mask, a fill that is not a large
 negative number, ...) ends the replay with the reason.
+
+What may sit on the chain is one table, `RULES`: primitive name -> the rule that replays it
+(or refuses it with the reason) and which of its operands may be the chain. The search
+follows exactly the primitives the table names; a new operation on the scores is one entry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from . import _layout
+from . import _layout, _vocab
 from ._graph import Atom, Graph, Node
 
-# Equations that may sit on the scores between the product and the softmax (whether they
-# are accepted is the replay's decision); the search stops at anything else.
-_SEARCH_UNARY = frozenset(
-    {
-        "convert_element_type",
-        "transpose",
-        "reshape",
-        "squeeze",
-        "expand_dims",
-        "broadcast_in_dim",
-        "copy",
-        "copy_p",
-        "neg",
-        "tanh",
-        "stop_gradient",
-        "reduce_precision",
-    }
-)
-_SEARCH_BINARY = frozenset({"mul", "div", "add", "add_any", "sub", "max", "min", "select_n", "clamp"})
-_LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
 _MAX_DEPTH = 24
 
 LARGE_NEGATIVE = -1.0e4
@@ -115,7 +99,7 @@ def uniform(g: Graph, atom: Atom) -> Any | None:
     if not g.is_const(atom):
         return None
     root = atom
-    while (node := g.node_of(root)) is not None and node.name in _LAYOUT:
+    while (node := g.node_of(root)) is not None and node.name in _vocab.LAYOUT:
         root = node.ins[0]
     if not g.foldable(root):
         return None
@@ -143,15 +127,14 @@ def _search(g: Graph, atom: Atom, steps: list[Step], depth: int) -> Iterator[tup
     if node.name == "dot_general":
         yield n, steps
         return
-    if node.name in _SEARCH_UNARY:
-        yield from _search(g, node.ins[0], [Step(n, 0), *steps], depth + 1)
-    elif node.name in _SEARCH_BINARY:
-        for i in _chain_candidates(g, node):
-            yield from _search(g, node.ins[i], [Step(n, i), *steps], depth + 1)
+    rule = RULES.get(node.name)
+    if rule is None:
+        return
+    for i in [0] if rule.unary else _chain_candidates(g, node, rule.first):
+        yield from _search(g, node.ins[i], [Step(n, i), *steps], depth + 1)
 
 
-def _chain_candidates(g: Graph, node: Node) -> list[int]:
-    first = 1 if node.name in ("select_n", "clamp") else 0
+def _chain_candidates(g: Graph, node: Node, first: int) -> list[int]:
     cands = [i for i in range(first, len(node.ins)) if not g.is_const(node.ins[i])]
     # the operand with the scores' shape first; a broadcast (a bias) after
     out = g.shape(node.outs[0])
@@ -167,7 +150,11 @@ def replay(g: Graph, steps: list[Step], product: Node) -> Scores:
     out = product.outs[0]
     state = Scores(tuple(range(len(g.shape(out)))), np.dtype(g.aval(out).dtype))
     for step in steps:
-        _apply(g, g.nodes[step.node], step.operand, state)
+        node = g.nodes[step.node]
+        rule = RULES[node.name]
+        if not rule.moves_axes and g.shape(node.ins[step.operand]) != g.shape(node.outs[0]):
+            raise Rejected(f"`{node.name}` broadcasts the scores to {list(g.shape(node.outs[0]))}")
+        rule.apply(g, node, step.operand, state)
     return state
 
 
@@ -180,85 +167,132 @@ def _rescale(state: Scores, factor: Any) -> None:
             w.fill = (np.asarray(w.fill, state.dtype) * np.asarray(factor, state.dtype)).astype(state.dtype)
 
 
-def _apply(g: Graph, node: Node, i: int, state: Scores) -> None:
-    name = node.name
-    chain = node.ins[i]
-    shape_in, shape_out = g.shape(chain), g.shape(node.outs[0])
-    if name not in ("transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim") and shape_in != shape_out:
-        raise Rejected(f"`{name}` broadcasts the scores to {list(shape_out)}")
-    if name in ("copy", "copy_p", "reduce_precision"):
-        return
-    if name == "convert_element_type":
-        dtype = np.dtype(node.params["new_dtype"])
-        if not np.issubdtype(dtype, np.floating) and dtype.name not in ("bfloat16", "float16"):
-            raise Rejected(f"the scores are converted to {dtype.name}")
+def _unchanged(g: Graph, node: Node, i: int, state: Scores) -> None:
+    """A copy, or a rounding the kernel's own precision stands for."""
+
+
+def _convert(g: Graph, node: Node, i: int, state: Scores) -> None:
+    dtype = np.dtype(node.params["new_dtype"])
+    if not np.issubdtype(dtype, np.floating) and dtype.name not in ("bfloat16", "float16"):
+        raise Rejected(f"the scores are converted to {dtype.name}")
+    with np.errstate(all="ignore"):
+        for w in state.wheres:
+            w.fill = np.asarray(w.fill).astype(dtype)
+    state.dtype = dtype
+    state.ops.append(("convert", dtype))
+
+
+def _transpose(g: Graph, node: Node, i: int, state: Scores) -> None:
+    state.amap = _layout.transposed(state.amap, node.params["permutation"])
+
+
+def _regroup(g: Graph, node: Node, i: int, state: Scores) -> None:
+    """A reshape that inserts or removes size-1 axes, or merges or splits axes
+    (`_layout.regrouped`); a `broadcast_in_dim` only where it inserts size-1 axes."""
+    shape_in, shape_out = g.shape(node.ins[i]), g.shape(node.outs[0])
+    if node.name == "broadcast_in_dim" and not _layout.broadcast_inserts(
+        shape_in, shape_out, node.params["broadcast_dimensions"]
+    ):
+        raise Rejected(f"`broadcast_in_dim` broadcasts the scores to {list(shape_out)}")
+    amap = _layout.regrouped(shape_in, shape_out, state.amap, state.merges)
+    if amap is None:
+        raise Rejected(f"`{node.name}` reshapes the scores from {list(shape_in)} to {list(shape_out)}")
+    state.amap = amap
+
+
+def _scale(g: Graph, node: Node, i: int, state: Scores) -> None:
+    """`mul` or `div` by a constant whose elements are all equal: the scale."""
+    name, other = node.name, node.ins[1 - i]
+    if name == "div" and i == 1:
+        raise Rejected("the scores divide a value")
+    val = uniform(g, other)
+    if val is None:
+        if not g.is_const(other) and _size1(g, other):
+            raise Rejected("a traced scale: the kernel takes a concrete scale")
+        raise Rejected(f"the scores are multiplied by a {'traced' if not g.is_const(other) else 'non-uniform'} tensor")
+    factor = 1.0 / float(val) if name == "div" else float(val)
+    if not np.isfinite(factor) or factor == 0.0:
+        raise Rejected(f"the scale {factor} is not a finite nonzero number")
+    _rescale(state, factor)
+    state.ops.append((name, np.asarray(val).astype(state.dtype)))
+
+
+def _add(g: Graph, node: Node, i: int, state: Scores) -> None:
+    """`add`/`sub` of a uniform constant (a shift softmax ignores) or of a bias."""
+    name, other = node.name, node.ins[1 - i]
+    if name == "sub" and i == 1:
+        raise Rejected("the scores are negated (subtracted from a value)")
+    sign = -1.0 if name == "sub" else 1.0
+    shift = uniform(g, other)
+    if shift is not None:  # a constant shift: softmax is invariant to it
         with np.errstate(all="ignore"):
             for w in state.wheres:
-                w.fill = np.asarray(w.fill).astype(dtype)
-        state.dtype = dtype
-        state.ops.append(("convert", dtype))
+                w.fill = (np.asarray(w.fill, state.dtype) + sign * np.asarray(shift, state.dtype)).astype(state.dtype)
+        state.ops.append(("shift", sign, np.asarray(shift).astype(state.dtype)))
         return
-    if name == "transpose":
-        state.amap = _layout.transposed(state.amap, node.params["permutation"])
-        return
-    if name in ("reshape", "squeeze", "expand_dims") or (
-        name == "broadcast_in_dim"
-        and _layout.broadcast_inserts(shape_in, shape_out, node.params["broadcast_dimensions"])
-    ):
-        amap = _layout.regrouped(shape_in, shape_out, state.amap, state.merges)
-        if amap is None:
-            raise Rejected(f"`{name}` reshapes the scores from {list(shape_in)} to {list(shape_out)}")
-        state.amap = amap
-        return
-    if name in ("mul", "div"):
-        other = node.ins[1 - i]
-        if name == "div" and i == 1:
-            raise Rejected("the scores divide a value")
-        val = uniform(g, other)
-        if val is None:
-            if not g.is_const(other) and _size1(g, other):
-                raise Rejected("a traced scale: the kernel takes a concrete scale")
-            raise Rejected(
-                f"the scores are multiplied by a {'traced' if not g.is_const(other) else 'non-uniform'} tensor"
-            )
-        factor = 1.0 / float(val) if name == "div" else float(val)
-        if not np.isfinite(factor) or factor == 0.0:
-            raise Rejected(f"the scale {factor} is not a finite nonzero number")
-        _rescale(state, factor)
-        state.ops.append((name, np.asarray(val).astype(state.dtype)))
-        return
-    if name in ("add", "add_any", "sub"):
-        if name == "sub" and i == 1:
-            raise Rejected("the scores are negated (subtracted from a value)")
-        other = node.ins[1 - i]
-        sign = -1.0 if name == "sub" else 1.0
-        shift = uniform(g, other)
-        if shift is not None:  # a constant shift: softmax is invariant to it
-            with np.errstate(all="ignore"):
-                for w in state.wheres:
-                    w.fill = (np.asarray(w.fill, state.dtype) + sign * np.asarray(shift, state.dtype)).astype(
-                        state.dtype
-                    )
-            state.ops.append(("shift", sign, np.asarray(shift).astype(state.dtype)))
-            return
-        if state.wheres:
-            raise Rejected("a bias is added after a mask")
-        state.ops.append(("bias", len(state.biases), sign))
-        state.biases.append(Bias(other, _layout.operand(g.shape(other), state.amap), sign))
-        return
-    if name == "select_n" and len(node.ins) == 3:
-        pred, fill_atom = node.ins[0], node.ins[3 - i]
-        if np.dtype(g.aval(pred).dtype) != np.dtype(bool):
-            raise Rejected("`select_n` on the scores with an integer selector")
-        fill = uniform(g, fill_atom)
-        if fill is None:
-            raise Rejected("the scores are replaced by a traced or non-uniform value where masked")
-        pamap = _layout.operand(g.shape(pred), state.amap)
-        state.ops.append(("where", len(state.wheres), np.asarray(fill).astype(state.dtype)))
-        state.wheres.append(Where(pred, pamap, keep=(i == 2), fill=np.asarray(fill).astype(state.dtype)))
-        return
-    if name == "tanh":
-        raise Rejected("softcapping (tanh on the scores)")
-    if name in ("max", "min", "clamp"):
-        raise Rejected(f"the scores are clipped (`{name}`)")
-    raise Rejected(f"`{name}` on the scores")
+    if state.wheres:
+        raise Rejected("a bias is added after a mask")
+    state.ops.append(("bias", len(state.biases), sign))
+    state.biases.append(Bias(other, _layout.operand(g.shape(other), state.amap), sign))
+
+
+def _select(g: Graph, node: Node, i: int, state: Scores) -> None:
+    """`select_n(pred, ...)` against a uniform constant: a mask and its fill."""
+    if len(node.ins) != 3:
+        raise Rejected(f"`select_n` of {len(node.ins) - 1} cases on the scores")
+    pred, fill_atom = node.ins[0], node.ins[3 - i]
+    if np.dtype(g.aval(pred).dtype) != np.dtype(bool):
+        raise Rejected("`select_n` on the scores with an integer selector")
+    fill = uniform(g, fill_atom)
+    if fill is None:
+        raise Rejected("the scores are replaced by a traced or non-uniform value where masked")
+    pamap = _layout.operand(g.shape(pred), state.amap)
+    state.ops.append(("where", len(state.wheres), np.asarray(fill).astype(state.dtype)))
+    state.wheres.append(Where(pred, pamap, keep=(i == 2), fill=np.asarray(fill).astype(state.dtype)))
+
+
+def _refuse(reason: str) -> Callable[[Graph, Node, int, Scores], None]:
+    """A rule for an operation the kernel cannot reproduce (`{name}` in `reason`: the primitive)."""
+
+    def rule(g: Graph, node: Node, i: int, state: Scores) -> None:
+        raise Rejected(reason.format(name=node.name))
+
+    return rule
+
+
+@dataclass(frozen=True)
+class ScoresRule:
+    """How the replay treats one primitive on the chain: `apply(g, node, operand, state)`
+    (raises `Rejected` with the reason), whether only its first operand can be the chain
+    (`unary`; else any non-constant operand from `first` on), and whether it may change
+    the chain's shape (`moves_axes`: layout equations; every other rule keeps it)."""
+
+    apply: Callable[[Graph, Node, int, Scores], None]
+    unary: bool = True
+    first: int = 0
+    moves_axes: bool = False
+
+
+RULES: dict[str, ScoresRule] = {
+    "copy": ScoresRule(_unchanged),
+    "reduce_precision": ScoresRule(_unchanged),
+    "convert_element_type": ScoresRule(_convert),
+    "transpose": ScoresRule(_transpose, moves_axes=True),
+    "reshape": ScoresRule(_regroup, moves_axes=True),
+    "squeeze": ScoresRule(_regroup, moves_axes=True),
+    "broadcast_in_dim": ScoresRule(_regroup, moves_axes=True),
+    "mul": ScoresRule(_scale, unary=False),
+    "div": ScoresRule(_scale, unary=False),
+    "add": ScoresRule(_add, unary=False),
+    "add_any": ScoresRule(_add, unary=False),
+    "sub": ScoresRule(_add, unary=False),
+    "select_n": ScoresRule(_select, unary=False, first=1),
+    "neg": ScoresRule(_refuse("the scores are negated")),
+    "stop_gradient": ScoresRule(_refuse("the scores' gradient is stopped")),
+    "tanh": ScoresRule(_refuse("softcapping (tanh on the scores)")),
+    "max": ScoresRule(_refuse("the scores are clipped (`{name}`)"), unary=False),
+    "min": ScoresRule(_refuse("the scores are clipped (`{name}`)"), unary=False),
+    "clamp": ScoresRule(_refuse("the scores are clipped (`{name}`)"), unary=False, first=1),
+}
+"""What may sit on the scores between the `q . k` product and the softmax: the search
+follows these primitives only, and the replay applies each one's rule."""

@@ -12,6 +12,7 @@ from .. import _walk
 from . import _vocab
 from ._graph import Atom, Graph, Node
 
+
 @dataclass(frozen=True)
 class Softmax:
     """A softmax of `x` over its `axis`, giving `p`; `nodes`: its node indices."""

@@ -47,11 +47,25 @@ RANDOM = frozenset(
 """Primitives whose result is not a function of their operands' values: never constant
 (`_graph`), and what dropout's keep mask is drawn from (`_roles.dropout_or`)."""
 
+SUMS = frozenset({"add", "add_any", "sub"})
+"""The sums a bias is split into its terms through."""
+
+COMPARISONS = frozenset({"eq", "ge", "gt", "le", "lt", "ne"})
+"""The comparisons (a mask's leaves: lengths `iota < n`, a converted boolean tested against 0)."""
+
 MATMULS = frozenset(_walk.MATMULS)
 """The products (a `jit` body with one is not inlined: amp evaluates it as its own jaxpr)."""
 
 SOFTMAX_JVP_NAME = "_softmax"
 """The name of `jax.nn.softmax`'s `custom_jvp` function (`jax_softmax_custom_jvp`)."""
 
-ALL = LAYOUT | PASS_THROUGH | RANDOM | MATMULS | frozenset({"exp", "sub", "div", "max", "reduce_max", "reduce_sum"})
+ALL = (
+    LAYOUT
+    | PASS_THROUGH
+    | RANDOM
+    | SUMS
+    | COMPARISONS
+    | MATMULS
+    | frozenset({"exp", "sub", "div", "max", "reduce_max", "reduce_sum"})
+)
 """Every primitive name this module spells (the scores chain's table adds its own)."""
