@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
@@ -71,7 +71,20 @@ from ._attention import _fuse
 from ._binding import LITERAL, original_dtypes
 from ._policy import Lookup
 
-__all__ = ["LITERAL", "Context", "eval_jaxpr", "original_dtypes", "transform_jaxpr"]
+__all__ = ["LITERAL", "Context", "Observer", "eval_jaxpr", "original_dtypes", "transform_jaxpr"]
+
+
+class Observer(Protocol):
+    """What `Context.observer` is (`autocast._explain_record.Observer` for `explain`)."""
+
+    attention: list[tuple[str, str]]
+    """Each attention the rewrite found: (what it is, what amp does with it)."""
+
+    def enter(self, eqn: Any) -> None: ...
+
+    def exit(
+        self, eqn: Any, kind: Any, rule: Any, scopes: Any, arrived: Any, bound: Any, outs: Any, island: Any
+    ) -> None: ...
 
 
 class Context:
@@ -100,8 +113,9 @@ class Context:
         # `enter(eqn)` (before an equation is evaluated: nested bodies are evaluated until the
         # matching call below) and `exit(eqn, kind, rule, scopes, arrived, bound, outs, island)`
         # (after it; `arrived`/`bound`: operands before/after the rule; `island`: None, or
-        # `(marker, recomputed)` shared by the equations of one float32 island).
-        self.observer: Any = None
+        # `(marker, recomputed)` shared by the equations of one float32 island), and the list
+        # `attention` (what the attention rewrite found and did with it).
+        self.observer: Observer | None = None
         # How a custom VJP's `bwd` runs: "amp" (traced in the traced dtypes, re-evaluated
         # under this policy, as the forward) or "original" (called as written on the values as
         # they arrive); see `autocast._custom_derivatives.custom_vjp`.
@@ -115,7 +129,7 @@ class Context:
         # operand the backward pass recomputes anyway).
         self.checkpoint_saved: frozenset | None = None
         # Whether attention spans are fused (`amp(attention=...)`): "auto" or "xla" (never).
-        self.attention = "auto"
+        self.attention: Literal["auto", "xla"] = "auto"
 
     def narrowing(self, out_narrow: Sequence[bool] | None) -> Context:
         """This context (same caches), telling a call's handler which outputs to narrow."""
@@ -156,6 +170,13 @@ class Context:
         span evaluated as written."""
         other = copy.copy(self)
         other.attention = "xla"
+        return other
+
+    def without_observer(self) -> Context:
+        """This context (same caches), observed by no one: for a trace that is not part of
+        the program `explain` reports on."""
+        other = copy.copy(self)
+        other.observer = None
         return other
 
     def eval_closed(self, closed: Any, args: Sequence[Any], free: Sequence[Any], scopes: tuple[str, ...]) -> list[Any]:

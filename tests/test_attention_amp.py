@@ -5,7 +5,7 @@ wired into the interpreter, the ``attention=`` switch, the policy's per-scope sw
 On this CPU machine the cuDNN call does not trace, so by default no span is fused and the
 program is exactly the one ``attention="xla"`` gives. To run the rewrite itself here, the
 tests that need it emit the fused call on CPU with ``implementation="xla"``
-(``_fuse.EMIT``): the same platform choice, equations, residuals and gradients as on a GPU,
+(``_fuse.emitting("cpu", "xla")``): the same platform choice, equations, residuals and gradients as on a GPU,
 with XLA's attention in place of cuDNN's. Its values and gradients are compared with
 float32 and with the unfused program, for every idiom the recogniser matches, in bfloat16
 (XLA:CPU cannot compile jax.nn's float16 attention: no F16_F16_F32 dot; the float16
@@ -61,8 +61,9 @@ def _text(closed) -> str:
 
 
 @pytest.fixture
-def emit_on_cpu(monkeypatch):
-    monkeypatch.setattr(_fuse, "EMIT", ("cpu", "xla"))
+def emit_on_cpu():
+    with _fuse.emitting("cpu", "xla"):
+        yield
 
 
 @pytest.mark.parametrize("name", ["einsum_where", "jaxnn_causal", "equinox_vmapped", "flax_nnx", "causal_padding"])

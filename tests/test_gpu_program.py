@@ -331,6 +331,35 @@ def test_cudnn_attention_compiles_for_the_target():
     assert D.memory(cudnn)["temp"] < 32 * 2**20 < scores < D.memory(xla)["temp"], (D.memory(cudnn), D.memory(xla))
 
 
+def test_fused_attention_has_every_derivative():
+    """Issue 47: an amp'd causal attention, fused with the real cuDNN call, compiles for the H100
+    under ``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``, an HVP and a gradient penalty (they raised:
+    the cuDNN call is a ``custom_vjp`` whose backward pass has no derivative); its first-order
+    gradient is still one cuDNN forward and one backward call."""
+
+    def loss(q, k, v):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) / 8.0
+        s = jnp.where(jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)), s, jnp.finfo(s.dtype).min)
+        return jnp.sum(jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v).astype(jnp.float32) ** 2)
+
+    f = autocast.amp(loss, compute_dtype=jnp.bfloat16)
+    args = [jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.float32, sharding=_sharding())] * 3
+    every = (0, 1, 2)
+    grad = jax.jit(jax.grad(f, every)).lower(*args).compile()
+    assert (H.census(grad.as_text())["fmha_forward"], H.census(grad.as_text())["fmha_backward"]) == (1, 1)
+    scaled = lambda s, q, k, v: f(q * s, k, v)  # noqa: E731
+    derivatives = {
+        "jvp": lambda q, k, v: jax.jvp(f, (q, k, v), (q, k, v)),
+        "jacfwd": lambda q, k, v: jax.jacfwd(scaled)(1.0, q, k, v),
+        "hessian": lambda q, k, v: jax.hessian(scaled)(1.0, q, k, v),
+        "hvp": lambda q, k, v: jax.jvp(jax.grad(f, every), (q, k, v), (q, k, v)),
+        "gradient_penalty": jax.grad(lambda *xs: sum(jnp.sum(g**2) for g in jax.grad(f, every)(*xs))),
+    }
+    for name, fn in derivatives.items():
+        compiled = jax.jit(fn).lower(*args).compile()
+        assert H.census(compiled.as_text())["fmha_forward"] == 1, name  # the value is the fused kernel's
+
+
 def _scores_results(model: str, info: dict) -> list[tuple[str, tuple[int, ...]]]:
     """The kernel results of ``model``'s step shaped as one attention's scores: ``[..., T, S]``
     with B N T S elements (``[B, N, T, S]``, ``[B N, T, S]``), its sequences as they are or

@@ -70,12 +70,15 @@ call sets that explicitly. Odd sequence lengths are padded by `pad_sequences` /
 planned: for each `Match` that `find` returns and the policy lets fuse, `cudnn_plan`
 gives the match to emit (its sequences maybe padded) or why there is none, and the span's
 equations become one `fused_attention` equation whose rule binds `call` on CUDA and the
-span's own equations elsewhere (`lax.platform_dependent`). `explain` lists each
-attention and what became of it: fused, or kept as written and why (a `LeftAlone`'s
+span's own equations elsewhere (`lax.platform_dependent`). The kernel in `call` is
+differentiable in every mode (`_derivatives`: its own backward pass for a first-order
+gradient, XLA's attention in float32 for forward mode and higher orders). `explain` lists
+each attention and what became of it: fused, or kept as written and why (a `LeftAlone`'s
 reason, the policy, or no cuDNN kernel).
 
 The extracted call itself is `call` (`implementation="xla"` runs anywhere: the
-tests compare it with the replaced equations, values and gradients).
+tests compare it with the replaced equations, values and gradients). Tests emit the
+fused branch on CPU with `_fuse.emitting("cpu", "xla")` (or a stand-in kernel).
 """
 
 from ._call import call, cudnn_error, cudnn_plan, pad_sequences

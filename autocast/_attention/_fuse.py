@@ -21,27 +21,34 @@ its rule, `_Fused`, binds it:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .. import _compat, _dtypes, _rules
+from . import _derivatives
 from ._call import call, cudnn_plan, pad_sequences
 from ._find import find
 from ._match import LeftAlone, Match
 
 fused_attention_p = _compat.Primitive("fused_attention")
 """One attention span of a jaxpr amp evaluates (params: `match`; `plan`, the match as the
-kernel takes it, its sequences maybe padded; `body`, the span's equations; `scopes`)."""
+kernel takes it, its sequences maybe padded; `body`, the span's equations; `scopes`; `emit`,
+where and which fused call the rule emits)."""
 fused_attention_p.multiple_results = True
 
 
-def _impl(*args: Any, match: Match, plan: Match, body: Any, scopes: tuple[str, ...]) -> list[Any]:
+def _impl(*args: Any, match: Match, plan: Match, body: Any, scopes: tuple[str, ...], emit: Emit) -> list[Any]:
     return _compat.jaxpr_as_fun(body)(*args)
 
 
-def _abstract_eval(*avals: Any, match: Match, plan: Match, body: Any, scopes: tuple[str, ...]) -> list[Any]:
+def _abstract_eval(*avals: Any, match: Match, plan: Match, body: Any, scopes: tuple[str, ...], emit: Emit) -> list[Any]:
     open_, _ = _compat.open_and_consts(body)
     return [v.aval for v in open_.outvars]
 
@@ -50,14 +57,62 @@ fused_attention_p.def_impl(_impl)
 fused_attention_p.def_abstract_eval(_abstract_eval)
 _compat.register_lowering(fused_attention_p, _compat.lower_fun(_impl, multiple_results=True))
 
-# Which branch the platform choice emits the fused call on, and with which implementation:
-# tests set ("cpu", "xla") to run the extracted call on this machine.
-EMIT: tuple[str, str] = ("cuda", "cudnn")
+
+@dataclasses.dataclass(frozen=True)
+class Emit:
+    """Where the platform choice runs the fused call, and which kernel: `platform` (a
+    `lax.platform_dependent` branch name) and `kernel`, `"cudnn"` or `"xla"`
+    (`jax.nn.dot_product_attention`'s implementation), or a function with that function's
+    arguments but `implementation` (a test's stand-in for the cuDNN call: see `emitting`)."""
+
+    platform: str = "cuda"
+    kernel: str | Callable[..., Any] = "cudnn"
+
+    def describe(self) -> str:
+        kernel = self.kernel if isinstance(self.kernel, str) else "custom"
+        return f"fused ({kernel}) on {self.platform}, else as written"
+
+    def run(self, plan: Match, inputs: Sequence[Any]) -> list[Any]:
+        """The span's outputs by the kernel, differentiable in every mode (`_derivatives`)."""
+        kernel = self.kernel
+        if isinstance(kernel, str):
+            kernel = functools.partial(jax.nn.dot_product_attention, implementation=kernel)
+        return call(plan, inputs, attend=_derivatives.differentiable(kernel, _float32_xla))
+
+
+def _float32_xla(q: Any, k: Any, v: Any, *, bias: Any = None, **kwargs: Any) -> Any:
+    """XLA's attention in float32, the result in q's dtype: the derivatives of the fused call
+    other than its first-order reverse mode (in half precision, a tangent through the softmax
+    loses several percent to cancellation)."""
+    f32 = jnp.float32
+    bias = None if bias is None else bias.astype(f32)
+    out = jax.nn.dot_product_attention(q.astype(f32), k.astype(f32), v.astype(f32), bias=bias, **kwargs)
+    return out.astype(q.dtype)
+
+
+_CUDNN_ON_CUDA = Emit()
+_EMIT: contextvars.ContextVar[Emit] = contextvars.ContextVar("autocast_attention_emit", default=_CUDNN_ON_CUDA)
+
+
+@contextlib.contextmanager
+def emitting(platform: str, kernel: str | Callable[..., Any]) -> Iterator[Emit]:
+    """Within the block, amp emits the fused call on `platform` with `kernel` (see `Emit`;
+    the default is cuDNN on CUDA). For tests: `emitting("cpu", "xla")` runs the rewrite on a
+    machine without cuDNN (no cuDNN support query), the fused branch being the one that runs.
+    Read when amp traces: a function jitted before the block keeps its program."""
+    emit = Emit(platform, kernel)
+    token = _EMIT.set(emit)
+    try:
+        yield emit
+    finally:
+        _EMIT.reset(token)
 
 
 class _Fused(_rules.Rule):
     """The rule of `fused_attention`: the span as one fused kernel where it traces (on
-    CUDA, by `lax.platform_dependent`), its own equations under amp's rules elsewhere."""
+    CUDA, by `lax.platform_dependent`), its own equations under amp's rules elsewhere. The
+    kernel is differentiable in every mode (`_derivatives.differentiable`: its own backward
+    pass for a first-order reverse-mode derivative, XLA's attention for every other)."""
 
     role: _rules.Role = "opaque"
     name = "fused_attention"
@@ -67,29 +122,26 @@ class _Fused(_rules.Rule):
         return list(invars), params  # the kernel casts q, k, v itself; the equations by their rules
 
     def bind(self, ctx, eqn, arrived, cast, params, free):
-        match, plan, body, scopes = params["match"], params["plan"], params["body"], params["scopes"]
+        match, plan, body, scopes, emit = (params[k] for k in ("match", "plan", "body", "scopes", "emit"))
         n = len(match.inputs)
         flags = list(free or [False] * len(arrived))
+        if ctx.observer is not None:
+            ctx.observer.attention.append((match.describe(), emit.describe()))
+        as_written = ctx.without_attention()
 
         def original(*ops: Any) -> list[Any]:
-            return ctx.without_attention().eval_closed(body, ops, flags, scopes)
+            return as_written.eval_closed(body, ops, flags, scopes)
 
-        platform, implementation = EMIT
-        observer = getattr(ctx, "observer", None)
-        if observer is not None and hasattr(observer, "attention"):
-            observer.attention.append((match.describe(), f"fused ({implementation}) on {platform}, else as written"))
-        quiet = ctx.without_attention()
-        quiet.observer = None  # the shapes' trace is not the program: explain sees the branch's
+        quiet = as_written.without_observer()  # the shapes' trace is not the program: explain sees the branch's
         shapes = jax.eval_shape(lambda *a: quiet.eval_closed(body, a, flags, scopes), *arrived)
 
         def fused(*ops: Any) -> list[Any]:
-            outs = call(plan, ops[:n], implementation=implementation)
-            return [o.astype(s.dtype) for o, s in zip(outs, shapes)]
+            return [o.astype(s.dtype) for o, s in zip(emit.run(plan, ops[:n]), shapes)]
 
         if _recompute(ctx, plan):
             fused = jax.checkpoint(fused, policy=jax.checkpoint_policies.nothing_saveable)
 
-        return list(jax.lax.platform_dependent(*arrived, **{platform: fused}, default=original))
+        return list(jax.lax.platform_dependent(*arrived, **{emit.platform: fused}, default=original))
 
 
 def _recompute(ctx: Any, plan: Match) -> bool:
@@ -144,17 +196,17 @@ def fuse(ctx: Any, jaxpr: Any, consts: Sequence[Any], scopes: tuple[str, ...]) -
     """`jaxpr` (open) with each attention span the policy lets fuse replaced by one
     `fused_attention` equation (`jaxpr` itself when there is none). `consts`: the
     values of its constants (constant masks are evaluated from them)."""
-    if getattr(ctx, "attention", "xla") != "auto" or ctx.compute_dtype not in _dtypes.HALF:
+    if ctx.attention != "auto" or ctx.compute_dtype not in _dtypes.HALF:
         return jaxpr
     found = find(jaxpr, compute_dtype=ctx.compute_dtype, consts=consts)
     if not found:
         return jaxpr
-    observer = getattr(ctx, "observer", None)
+    observer, emit = ctx.observer, _EMIT.get()
     eqns = list(jaxpr.eqns)
     replaced: dict[int, Any] = {}
     for m in found:
         if isinstance(m, LeftAlone):
-            if observer is not None and hasattr(observer, "attention"):
+            if observer is not None:
                 observer.attention.append((m.describe(), "left alone"))
             continue
         span = [eqns[i] for i in m.eqns]
@@ -166,16 +218,16 @@ def fuse(ctx: Any, jaxpr: Any, consts: Sequence[Any], scopes: tuple[str, ...]) -
         elif any("amp_stop" in s for s in span_scopes) or rule is not ATTENTION:
             why = f"the policy ({rule.name})"
         else:
-            plan = m if EMIT[1] == "xla" else _plan_for(m)
+            plan = _plan_for(m) if emit.kernel == "cudnn" else m
             if isinstance(plan, str):
                 why = f"no fused kernel here (cuDNN: {plan})"
         if why is not None:
-            if observer is not None and hasattr(observer, "attention"):
+            if observer is not None:
                 observer.attention.append((m.describe(), f"as written: {why}"))
             continue
         inputs = list(m.inputs) + _free_vars(span, m.inputs)
         body = _compat.jaxpr_of(inputs, m.outputs, span)
-        params = {"match": m, "plan": plan, "body": body, "scopes": scopes}
+        params = {"match": m, "plan": plan, "body": body, "scopes": scopes, "emit": emit}
         replaced[m.eqns[-1]] = _compat.new_eqn(inputs, m.outputs, fused_attention_p, params, span[-1].source_info)
         for i in m.eqns[:-1]:
             replaced[i] = None
