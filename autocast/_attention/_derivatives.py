@@ -422,6 +422,11 @@ for _prim, _impl in (
     (attention_tangent_p, _tangent_impl),
 ):
     _compat.register_lowering(_prim, _compat.lower_fun(_impl, multiple_results=True))
+# JAX 0.12 with `jax_custom_vjp3`: a kernel that is a `call_hi_primitive` makes a primitive
+# holding it "high" (`Primitive.is_high` reads the jaxpr params); JAX lowers such an equation
+# to plain JAX by `to_lojax`, here its evaluation (0.9.2 .. 0.11 never call it)
+attention_p.to_lojax = _attention_impl  # type: ignore[method-assign]
+attention_fwd_p.to_lojax = _fwd_impl  # type: ignore[method-assign]
 _compat.primitive_jvps[attention_p] = _attention_jvp
 _compat.primitive_jvps[attention_fwd_p] = _fwd_jvp
 _compat.primitive_jvps[attention_tangent_p] = _tangent_jvp
