@@ -57,8 +57,12 @@ def unet() -> Model:
         return jnp.mean((pred - batch["noise"]) ** 2)
 
     # Measured (CPU, JAX 0.12, 2026-11-27, `tests/real_models/measure.py diffusers`): float16
-    # loss 2.5e-5, gradient 1.8e-3; bfloat16 loss 4.8e-5, gradient 1.0e-2. Tolerances 3-5x.
-    tol = {"float16": Tol(loss=1e-4, grad=8e-3), "bfloat16": Tol(loss=2e-4, grad=4e-2)}
+    # loss 2.5e-5, gradient 1.8e-3; bfloat16 loss 4.8e-5, gradient 1.0e-2. Tolerances 3-5x,
+    # but bfloat16's loss 1e-3: on 2026-11-28's machine (AMD EPYC with AVX-512) the code of
+    # 1f99ca6, which gave 4.8e-5 the day before, gives 2.3e-4 (float32's own loss moved by 3e-7
+    # between the two machines, and by 5e-7 with XLA's --xla_cpu_max_isa=AVX2: which rounding
+    # a bfloat16 activation falls on follows), 3 % of bfloat16's epsilon in either case.
+    tol = {"float16": Tol(loss=1e-4, grad=8e-3), "bfloat16": Tol(loss=1e-3, grad=4e-2)}
     return Model(
         "FlaxUNet2DConditionModel + DDPM loss (tiny)",
         "diffusers",
