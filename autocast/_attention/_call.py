@@ -127,6 +127,7 @@ def _bias(match: Match, env: dict[int, Any], rank: int) -> Any:
                 total = sign * val if total is None else total + sign * val
             b = op[2] * total if b is None else b + op[2] * total
         elif op[0] == "convert":
+            assert b is not None  # (the recipe starts with a sum)
             b = b.astype(op[1])
         else:
             b = b * op[1] if op[0] == "mul" else b / op[1]

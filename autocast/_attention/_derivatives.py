@@ -169,7 +169,7 @@ class _Base(_Spec):
 
     def _probe(self, p: Sequence[Any]) -> list[Any]:
         _, leaves, self._tree = self._vjp(p)
-        outs = []
+        outs: list[Any] = []
         for leaf in leaves:
             at = next((i for i, x in enumerate(p) if x is leaf), None)
             if at is not None:
@@ -360,7 +360,8 @@ def _tangent_transpose(cts, *operands, spec, nz):
 def _normalised(args: Sequence[Any], dims: Sequence[Any]) -> tuple[list[Any], list[Any], int]:
     """The operands with each batch axis moved to the front (0) or none (None), and the size."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _compat.NOT_MAPPED)
-    out, out_dims = [], []
+    out: list[Any] = []
+    out_dims: list[int | None] = []
     for a, d in zip(args, dims):
         if d is _compat.NOT_MAPPED:
             out.append(a)

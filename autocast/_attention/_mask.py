@@ -263,7 +263,11 @@ def _two_valued(g: Graph, atom: Atom, amap: _layout.AxisMap) -> tuple[Atom, _lay
         if np.dtype(g.aval(src).dtype) == np.dtype(bool):
             return src, amap, np.asarray(1, dtype), np.asarray(0, dtype)
         inner = _two_valued(g, src, amap)
-        return None if inner is None else (*inner[:2], *(np.asarray(x).astype(dtype) for x in inner[2:]))
+        return (
+            None
+            if inner is None
+            else (inner[0], inner[1], np.asarray(inner[2]).astype(dtype), np.asarray(inner[3]).astype(dtype))
+        )
     if name == "select_n" and len(node.ins) == 3 and np.dtype(g.aval(node.ins[0]).dtype) == np.dtype(bool):
         when_false, when_true = uniform(g, node.ins[1]), uniform(g, node.ins[2])
         if when_false is None or when_true is None:
@@ -286,7 +290,7 @@ def _two_valued(g: Graph, atom: Atom, amap: _layout.AxisMap) -> tuple[Atom, _lay
     op = _ARITHMETIC[name]
     with np.errstate(all="ignore"):
         vals = [op(x, c) if i == 0 else op(c, x) for x in inner[2:]]
-    return inner[0], inner[1], *(np.asarray(v).astype(dtype) for v in vals)
+    return inner[0], inner[1], np.asarray(vals[0]).astype(dtype), np.asarray(vals[1]).astype(dtype)
 
 
 _ZERO_TESTS = {("ne", 1): True, ("gt", 1): True, ("ne", 0): True, ("lt", 0): True, ("eq", 0): False, ("eq", 1): False}
