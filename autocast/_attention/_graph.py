@@ -155,7 +155,7 @@ class Graph:
             body, consts = _compat.open_and_consts(subs[0])
             if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
                 return None
-            if len(body.constvars) != len(consts) or getattr(eqn, "effects", None):
+            if len(body.constvars) != len(consts) or eqn.effects:
                 return None
             if kind == "jit" and not self._free_of_matmuls(body):
                 return None
