@@ -514,7 +514,9 @@ def explain(fn: Callable, **options: Unpack[AmpKwargs]) -> Callable[..., Explana
                 "mode": opts.custom_vjp_bwd,
             },
             "float16_sums": sorted(set(_float16_sums(transformed))) if opts.dtype == np.float16 else [],
-            "attention": [{"attention": a, "kernel": k} for a, k in dict.fromkeys(observer.attention)],
+            "attention": [
+                {"attention": a, "kernel": k} for a, k in dict.fromkeys(observer.rewrites.get("attention", []))
+            ],
         }
         return Explanation(opts.dtype.name, observer.records, totals)
 

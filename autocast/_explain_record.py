@@ -13,9 +13,8 @@ import numpy as np
 from . import _dtypes, _fp8, _plan, _rules, _walk
 from ._binding import rule_name as _rule_name
 from ._interpreter import Context
+from ._interpreter import Observer as _NoOpObserver
 from ._policy import CATEGORIES
-
-_RULE_NAMES = {rule: name for name, rule in CATEGORIES.items()} | {_rules.select_in_float32: "float32"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +76,16 @@ class Record:
     """ids of the enclosing higher-order equations: one call site of a body."""
 
 
-class Observer:
+class Observer(_NoOpObserver):
     """Collects one `Record` per equation the interpreter evaluates (see
-    `Context.observer`); keeps the stack of enclosing higher-order equations."""
+    `autocast._interpreter.Observer`, whose no-op methods it overrides); keeps the stack of
+    enclosing higher-order equations."""
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
+        # each policy category's rule -> its name (read from the table features add to when
+        # explain runs), and the planner's `select_in_float32` -> "float32"
+        self.rule_names = {rule: name for name, rule in CATEGORIES.items()} | {_rules.select_in_float32: "float32"}
         self.stack: list[Any] = []
         self.starts: list[int] = []
         self.records: list[Record] = []
@@ -91,8 +94,8 @@ class Observer:
         self.float8_eqns: dict[int, tuple[bool, ...]] = {}
         # id(eqn) -> the float8 rule's reason for binding it in float8 or not
         self.float8_why: dict[int, str] = {}
-        # each attention the rewrite found: (what it is, what amp does with it)
-        self.attention: list[tuple[str, str]] = []
+        # rewrite name -> each span it found: (what it is, what amp does with it)
+        self.rewrites: dict[str, list[tuple[str, str]]] = {}
         # off once the program is transformed: rules JAX traces later (`jax.vjp` in `_explain`)
         # run in copies of the context that still hold this observer
         self.active = True
@@ -102,6 +105,14 @@ class Observer:
             return
         self.stack.append(eqn)
         self.starts.append(len(self.records))
+
+    def rewrite(self, name: str, what: str, how: str) -> None:
+        self.rewrites.setdefault(name, []).append((what, how))
+
+    def float8(self, eqn: Any, why: str, requantize: tuple[bool, ...] | None) -> None:
+        self.float8_why[id(eqn)] = why
+        if requantize is not None:
+            self.float8_eqns[id(eqn)] = requantize
 
     def exit(self, eqn, kind, rule, scopes, arrived, bound, outs, island) -> None:
         if not self.active:
@@ -132,7 +143,7 @@ class Observer:
             avals = [v.aval for v in eqn.invars]
             self._add(eqn, "original", "amp_stop", scopes, path, mult, arrived, avals, outs, island)
             return
-        rule_name = _RULE_NAMES.get(rule) or _rule_name(rule)
+        rule_name = self.rule_names.get(rule) or _rule_name(rule)
         looked, why = self.ctx.lookup.rule_and_reason(eqn.primitive, scopes)
         if rule in (_rules.use_float32_precision, _rules.select_in_float32) and looked is not rule:
             why = "pulled to float32 by its consumers"

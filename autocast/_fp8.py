@@ -400,10 +400,8 @@ class _Float8Rule(_rules.Rule):
         out_dtype = np.dtype(pref) if pref is not None else _dtypes.dtype_of(cast[0])
         if ok and out_dtype not in _dtypes.CASTABLE:
             ok, why = False, f"its result type {out_dtype} is not a float of the policy"
-        observer = getattr(ctx, "observer", None)
-        if observer is not None and hasattr(observer, "float8_why"):  # autocast.explain
-            observer.float8_why[id(eqn)] = why
         if not ok:
+            ctx.observer.float8(eqn, why, None)  # autocast.explain
             return None
         # a free operand (parameter, input) is kept anyway, and inside an autocast checkpoint
         # (an island) a computed one is recomputed: there the backward pass quantizes again
@@ -413,8 +411,7 @@ class _Float8Rule(_rules.Rule):
         # computed activation's gradient is rounded to the compute dtype, as in a compute-dtype
         # matmul, whose cast to the compute dtype it stands for
         grads = tuple(None if free is None or free[i] else out_dtype for i in range(2))
-        if observer is not None and hasattr(observer, "float8_eqns"):
-            observer.float8_eqns[id(eqn)] = requantize
+        ctx.observer.float8(eqn, why, requantize)
         ops = _quantized_operands(arrived, cast, free)
         dn = params["dimension_numbers"]
         return [fp8_dot_general(ops[0], ops[1], dn, out_dtype, requantize, grads, recomputed)]

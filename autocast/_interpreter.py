@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
@@ -71,20 +71,37 @@ from ._attention import _fuse
 from ._binding import LITERAL, original_dtypes
 from ._policy import Lookup
 
-__all__ = ["LITERAL", "Context", "Observer", "eval_jaxpr", "original_dtypes", "transform_jaxpr"]
+__all__ = ["LITERAL", "NO_OBSERVER", "Context", "Observer", "eval_jaxpr", "original_dtypes", "transform_jaxpr"]
 
 
-class Observer(Protocol):
-    """What `Context.observer` is (`autocast._explain_record.Observer` for `explain`)."""
+class Observer:
+    """What the interpreter and the rules tell `autocast.explain` while amp transforms a
+    function: every method is a no-op here (`Context.observer` is `NO_OBSERVER` outside
+    `explain`); `autocast._explain_record.Observer` overrides them to keep records."""
 
-    attention: list[tuple[str, str]]
-    """Each attention the rewrite found: (what it is, what amp does with it)."""
-
-    def enter(self, eqn: Any) -> None: ...
+    def enter(self, eqn: Any) -> None:
+        """Before `eqn` is evaluated (nested bodies are evaluated until the matching `exit`)."""
 
     def exit(
         self, eqn: Any, kind: Any, rule: Any, scopes: Any, arrived: Any, bound: Any, outs: Any, island: Any
-    ) -> None: ...
+    ) -> None:
+        """After `eqn` is evaluated: its step's `kind`, the `rule` that cast it, its named
+        `scopes`, its operands before (`arrived`) and after (`bound`) the rule, its outputs,
+        and `island` (None, or `(marker, recomputed)` shared by the equations of one float32
+        island)."""
+
+    def rewrite(self, name: str, what: str, how: str) -> None:
+        """What a whole-program rewrite (`autocast._rewrites`; `name`: `"attention"`) found
+        (`what`) and what amp does with it (`how`: the kernel, or kept as written and why)."""
+
+    def float8(self, eqn: Any, why: str, requantize: tuple[bool, ...] | None) -> None:
+        """What a float8 rule decided for the matmul `eqn` (`autocast._fp8`), and why:
+        `requantize` None where it stays in the compute dtype, else per operand whether the
+        backward pass quantizes it again (no float8 copy kept)."""
+
+
+NO_OBSERVER = Observer()
+"""The observer of a transformation `explain` does not watch: every method a no-op."""
 
 
 class Context:
@@ -109,13 +126,8 @@ class Context:
         self.lookup = Lookup(policy)
         self._jaxpr_cache: dict[Any, Any] = {}
         self._keep_alive: list[Any] = []
-        # Observation hook for `autocast.explain` (None otherwise): an object with
-        # `enter(eqn)` (before an equation is evaluated: nested bodies are evaluated until the
-        # matching call below) and `exit(eqn, kind, rule, scopes, arrived, bound, outs, island)`
-        # (after it; `arrived`/`bound`: operands before/after the rule; `island`: None, or
-        # `(marker, recomputed)` shared by the equations of one float32 island), and the list
-        # `attention` (what the attention rewrite found and did with it).
-        self.observer: Observer | None = None
+        # What `autocast.explain` observes (see `Observer`; `NO_OBSERVER` otherwise)
+        self.observer: Observer = NO_OBSERVER
         # How a custom VJP's `bwd` runs: "amp" (traced in the traced dtypes, re-evaluated
         # under this policy, as the forward) or "original" (called as written on the values as
         # they arrive); see `autocast._custom_derivatives.custom_vjp`.
@@ -176,7 +188,7 @@ class Context:
         """This context (same caches), observed by no one: for a trace that is not part of
         the program `explain` reports on."""
         other = copy.copy(self)
-        other.observer = None
+        other.observer = NO_OBSERVER
         return other
 
     def eval_closed(self, closed: Any, args: Sequence[Any], free: Sequence[Any], scopes: tuple[str, ...]) -> list[Any]:
@@ -334,8 +346,7 @@ def _eval_eqn(
     invals = [x for x, _ in read_in]
     in_free = [f for _, f in read_in]
     eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
-    if ctx.observer is not None:  # autocast.explain (see Context.observer)
-        ctx.observer.enter(eqn)
+    ctx.observer.enter(eqn)
     bound = invals
     rule = step.rule
     with (
@@ -363,8 +374,7 @@ def _eval_eqn(
             if len(outs) == 1 and eqn.outvars[0] in plan.statistics and saved:
                 # a row statistic: saved by the island's checkpoint (`_plan.Plan.statistics`)
                 outs = [checkpoint_name(x, _compat.SAVED_NAME) for x in outs]
-    if ctx.observer is not None:
-        ctx.observer.exit(eqn, step.kind, rule, eqn_scopes, invals, bound, outs, island)
+    ctx.observer.exit(eqn, step.kind, rule, eqn_scopes, invals, bound, outs, island)
     for var, val, f in zip(eqn.outvars, outs, out_free):
         if not isinstance(var, _compat.DropVar):
             env[var] = (val, f)

@@ -125,8 +125,7 @@ class _Fused(_rules.Rule):
         match, plan, body, scopes, emit = (params[k] for k in ("match", "plan", "body", "scopes", "emit"))
         n = len(match.inputs)
         flags = list(free or [False] * len(arrived))
-        if ctx.observer is not None:
-            ctx.observer.attention.append((match.describe(), emit.describe()))
+        ctx.observer.rewrite("attention", match.describe(), emit.describe())
         as_written = ctx.without_attention()
 
         def original(*ops: Any) -> list[Any]:
@@ -201,13 +200,12 @@ def fuse(ctx: Any, jaxpr: Any, consts: Sequence[Any], scopes: tuple[str, ...]) -
     found = find(jaxpr, compute_dtype=ctx.compute_dtype, consts=consts)
     if not found:
         return jaxpr
-    observer, emit = ctx.observer, _EMIT.get()
+    emit = _EMIT.get()
     eqns = list(jaxpr.eqns)
     replaced: dict[int, Any] = {}
     for m in found:
         if isinstance(m, LeftAlone):
-            if observer is not None:
-                observer.attention.append((m.describe(), "left alone"))
+            ctx.observer.rewrite("attention", m.describe(), "left alone")
             continue
         span = [eqns[i] for i in m.eqns]
         span_scopes = [scopes + _compat.scope_names(e.source_info.name_stack) for e in span]
@@ -222,8 +220,7 @@ def fuse(ctx: Any, jaxpr: Any, consts: Sequence[Any], scopes: tuple[str, ...]) -
             if isinstance(plan, str):
                 why = f"no fused kernel here (cuDNN: {plan})"
         if why is not None:
-            if observer is not None:
-                observer.attention.append((m.describe(), f"as written: {why}"))
+            ctx.observer.rewrite("attention", m.describe(), f"as written: {why}")
             continue
         inputs = list(m.inputs) + _free_vars(span, m.inputs)
         body = _compat.jaxpr_of(inputs, m.outputs, span)
