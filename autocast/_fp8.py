@@ -466,4 +466,6 @@ def use_float8(min_dim: int = MIN_DIM, activations: bool = False, target: str | 
 
 
 CATEGORIES = {"fp8": use_float8(), "fp8_any": use_float8(activations=True)}
-"""The policy-table categories this module adds (`autocast._policy.CATEGORIES`)."""
+"""The policy-table categories this module adds (`autocast._rules.register_category`)."""
+for _name, _rule in CATEGORIES.items():
+    _rules.register_category(_name, _rule)

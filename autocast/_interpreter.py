@@ -51,8 +51,8 @@ Sharp edges:
   its policy (an outer checkpoint policy would override nested ones).
 
 The modules: this one holds the evaluation loop (`eval_jaxpr`, `transform_jaxpr`);
-`autocast._attention._fuse` first replaces each attention span the policy lets fuse by one
-equation; `autocast._plan` decides each equation's step before the loop runs;
+`autocast._rewrites` first applies the registered whole-program rewrites (the fused
+attention of `autocast._attention`: each span the policy lets fuse becomes one equation); `autocast._plan` decides each equation's step before the loop runs;
 `autocast._binding` casts and binds one equation; `autocast._islands` evaluates the
 recomputed float32 islands; `autocast._higher_order` the equations that hold jaxprs.
 """
@@ -61,13 +61,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from . import _binding, _compat, _dtypes, _islands, _plan
-from ._attention import _fuse
+from . import _binding, _compat, _dtypes, _islands, _plan, _rewrites
 from ._binding import LITERAL, original_dtypes
 from ._policy import Lookup
 
@@ -140,8 +139,10 @@ class Context:
         # that binds its equation itself reads it (a float8 matmul keeps no copy of an
         # operand the backward pass recomputes anyway).
         self.checkpoint_saved: frozenset | None = None
-        # Whether attention spans are fused (`amp(attention=...)`): "auto" or "xla" (never).
-        self.attention: Literal["auto", "xla"] = "auto"
+        # The whole-program rewrites (`autocast._rewrites`) not applied here, by name:
+        # {"attention"} for `amp(attention="xla")`, and in the equations of a rewritten span
+        # evaluated as written.
+        self.rewrites_off: frozenset[str] = frozenset()
 
     def narrowing(self, out_narrow: Sequence[bool] | None) -> Context:
         """This context (same caches), telling a call's handler which outputs to narrow."""
@@ -177,11 +178,11 @@ class Context:
         other.checkpoint_saved = frozenset(saved)
         return other
 
-    def without_attention(self) -> Context:
-        """This context (same caches), fusing no attention: for the equations of a fused
-        span evaluated as written."""
+    def without_rewrite(self, name: str) -> Context:
+        """This context (same caches), without the rewrite `name`: for the equations of a
+        span it rewrote, evaluated as written."""
         other = copy.copy(self)
-        other.attention = "xla"
+        other.rewrites_off = self.rewrites_off | {name}
         return other
 
     def without_observer(self) -> Context:
@@ -247,7 +248,7 @@ def eval_jaxpr(
 
     if ctx.out_narrow is not None:  # meant for the handler that called us, not nested calls
         ctx = ctx.narrowing(None)
-    jaxpr = _fuse.fuse(ctx, jaxpr, consts, scopes)  # attention spans as one equation each
+    jaxpr = _rewrites.rewrite(ctx, jaxpr, consts, scopes)  # e.g. attention spans as one equation each
     plan = _plan.plan(ctx, jaxpr, scopes, out_float32 or [False] * len(jaxpr.outvars), out_narrow)
     with _dtypes.memoised_casts():
         _eval_eqns(ctx, jaxpr, plan, env, read, scopes)

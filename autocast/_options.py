@@ -102,7 +102,7 @@ class AmpOptions:
         ctx = cls(self.dtype, self.policy, self.remat_float32)
         ctx.float32_cotangents = self.weight_grad_dtype == "float32"
         ctx.custom_vjp_bwd = self.custom_vjp_bwd
-        ctx.attention = self.attention
+        ctx.rewrites_off = frozenset() if self.attention == "auto" else frozenset({"attention"})
         return ctx
 
     def as_kwargs(self) -> dict[str, Any]:

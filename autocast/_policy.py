@@ -24,15 +24,16 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from . import _compat, _fp8, _rules
-from ._attention import _fuse
+from . import _compat, _rewrites, _rules
 
 PolicyKey = _compat.Primitive | str
 AMP_DEFAULT = "amp_default"
 AMP_STOP = "amp_stop"
 
-CATEGORIES: dict[str, _rules.Rule] = {**_rules.CATEGORIES, **_fp8.CATEGORIES, **_fuse.CATEGORIES}
-"""The rule each category name of a policy file stands for (`policies/README.md`)."""
+CATEGORIES: dict[str, _rules.Rule] = _rules.CATEGORIES
+"""The rule each category name of a policy file stands for (`policies/README.md`): the
+table of `autocast._rules`, which feature modules (`autocast._fp8`, `autocast._attention`)
+fill at their import (`register_category`); this module imports none of them."""
 
 # Rules registered with `register_rule`: part of the default policy, and the fallback of
 # any user policy for a primitive it does not name.
@@ -109,8 +110,14 @@ def _key_name(key: PolicyKey) -> str:
 
 
 @functools.cache
+def _discovered() -> dict[str, list[_compat.Primitive]]:
+    return _compat.discover_primitives()
+
+
 def _primitives_by_name() -> dict[str, list[_compat.Primitive]]:
-    return {**_compat.discover_primitives(), _fuse.fused_attention_p.name: [_fuse.fused_attention_p]}
+    """The primitives a policy file may name: JAX's, and the registered rewrites' own
+    (`autocast._rewrites`: `fused_attention`)."""
+    return {**_discovered(), **_rewrites.primitives_by_name()}
 
 
 _SHIPPED = "autocast.policies"
@@ -438,6 +445,10 @@ class Lookup:
                     if rule.primitives is None or (prim is not None and prim.name in rule.primitives):
                         return rule, key
         return None, None
+
+    def stopped(self, scopes: tuple[str, ...]) -> bool:
+        """Whether `scopes` are inside `amp_stop` (every equation keeps its traced precision)."""
+        return AMP_STOP in scopes
 
     def explicit(self, prim: _compat.Primitive) -> bool:
         """Whether the policy (or the registry) names `prim` itself."""

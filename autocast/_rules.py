@@ -39,7 +39,8 @@ function):
 
 The built-in rules below (functions made `Rule` objects with their role),
 `select_in_float32`, `autocast._fp8`'s float8 rules and the attention rewrite's rules
-(`autocast._attention._fuse`) are all `Rule` objects.
+(`autocast._attention._fuse`) are all `Rule` objects. `CATEGORIES` names the rules a policy
+file may use; a feature adds its own with `register_category`.
 
 Rules never change integers, booleans, PRNG keys, float64 or complex values: the helpers
 here skip them.
@@ -466,4 +467,29 @@ CATEGORIES: dict[str, Rule] = {
     "as_is": use_as_is,
     "convert": convert_element_type_rule,
 }
-"""The rule each category name of a policy file stands for."""
+"""The rule each category name of a policy file stands for: the built-in ones, and those a
+feature module adds at its import with `register_category` (`autocast._fp8`'s `fp8` and
+`fp8_any`, the attention rewrite's `attention` and `xla_attention`)."""
+
+
+def register_category(name: str, rule: Rule) -> Rule:
+    """Add a category to the policy files' vocabulary (`CATEGORIES`): how a feature declares
+    its rules, at its import, without the policy (`autocast._policy`) importing it.
+
+    Args:
+        name: The category's name in a policy file (`[primitives]`, `[scopes]`, `fallback`).
+        rule: The rule it stands for.
+
+    Returns:
+        `rule`.
+
+    Raises:
+        TypeError: `rule` is not a `Rule`.
+        ValueError: `name` stands for another rule already.
+    """
+    if not isinstance(rule, Rule):
+        raise TypeError(f"register_category({name!r}): rule={rule!r} is not an autocast.Rule.")
+    if CATEGORIES.get(name, rule) is not rule:
+        raise ValueError(f"register_category({name!r}): the category stands for {CATEGORIES[name]!r} already.")
+    CATEGORIES[name] = rule
+    return rule

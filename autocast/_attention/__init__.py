@@ -66,7 +66,9 @@ row of one masked value averages the values uniformly in the original (NaN for `
 call sets that explicitly. Odd sequence lengths are padded by `pad_sequences` /
 `cudnn_plan` (padded keys masked, padded queries sliced off).
 
-**Use.** amp's rewrite is `_fuse.fuse`, run on each jaxpr amp evaluates before it is
+**Use.** amp's rewrite is `_fuse.REWRITE`, registered at this package's import through
+`autocast._rewrites` (the door of whole-program rewrites; the interpreter and the policy
+import nothing of this package), which applies it to each jaxpr amp evaluates before it is
 planned: for each `Match` that `find` returns and the policy lets fuse, `cudnn_plan`
 gives the match to emit (its sequences maybe padded) or why there is none, and the span's
 equations become one `fused_attention` equation whose rule binds `call` on CUDA and the
@@ -81,6 +83,7 @@ tests compare it with the replaced equations, values and gradients). Tests emit 
 fused branch on CPU with `_fuse.emitting("cpu", "xla")` (or a stand-in kernel).
 """
 
+from . import _fuse  # noqa: F401  (registers the rewrite and its policy categories)
 from ._call import call, cudnn_error, cudnn_plan, pad_sequences
 from ._find import find
 from ._match import LeftAlone, Mask, MaskKind, Match, Operand

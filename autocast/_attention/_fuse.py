@@ -1,12 +1,14 @@
 """The rewrite in amp: each attention span `find` proves becomes one `fused_attention`
 equation, which its rule binds as a platform choice.
 
-`fuse` runs before a jaxpr is planned (`autocast._interpreter.eval_jaxpr`). For each
-`Match` whose span the policy lets fuse (the rule of `fused_attention` under the
-span's named scopes is `ATTENTION`, not `XLA_ATTENTION`; never inside `amp_stop`),
-it replaces the span's equations by one equation of `fused_attention_p` that holds the
-match and the span as a closed jaxpr (its `body`). The planner sees one opaque equation;
-its rule, `_Fused`, binds it:
+The rewrite is registered at import (`REWRITE`, through `autocast._rewrites`, the door of
+whole-program rewrites), with its policy categories (`attention`, `xla_attention`:
+`autocast._rules.register_category`); neither the interpreter nor the policy imports this
+module. Before a jaxpr is planned, for each `Match` whose span the policy lets fuse (the
+rule of `fused_attention` under the span's named scopes is `ATTENTION`, not
+`XLA_ATTENTION`; never inside `amp_stop`), the span's equations become one equation of
+`fused_attention_p` that holds the match and the span as a closed jaxpr (its `body`).
+The planner sees one opaque equation; its rule, `_Fused`, binds it:
 
 - a span is fused only where the cuDNN call traces (`cudnn_plan`: a machine with a CUDA
   jaxlib and cuDNN, a deviceless compile for a GPU included); elsewhere (no cuDNN, a shape it
@@ -31,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _compat, _dtypes, _rules
+from .. import _compat, _dtypes, _rewrites, _rules
 from . import _derivatives
 from ._call import call, cudnn_plan, pad_sequences
 from ._find import find
@@ -126,7 +128,7 @@ class _Fused(_rules.Rule):
         n = len(match.inputs)
         flags = list(free or [False] * len(arrived))
         ctx.observer.rewrite("attention", match.describe(), emit.describe())
-        as_written = ctx.without_attention()
+        as_written = ctx.without_rewrite("attention")
 
         def original(*ops: Any) -> list[Any]:
             return as_written.eval_closed(body, ops, flags, scopes)
@@ -170,7 +172,9 @@ class _Unfused(_rules.Rule):
 ATTENTION = _Fused()
 XLA_ATTENTION = _Unfused()
 CATEGORIES = {"attention": ATTENTION, "xla_attention": XLA_ATTENTION}
-"""The policy categories this module adds (`autocast._policy.CATEGORIES`)."""
+"""The policy categories this module adds (`autocast._rules.register_category`)."""
+for _name, _rule in CATEGORIES.items():
+    _rules.register_category(_name, _rule)
 
 # (what the match is, its inputs' shapes and dtypes) -> the sequence multiple the cuDNN call
 # traces with: one trace per kind of span, not per trace of it. Only successes are kept: a
@@ -191,58 +195,32 @@ def _plan_for(match: Match) -> Match | str:
     return plan
 
 
-def fuse(ctx: Any, jaxpr: Any, consts: Sequence[Any], scopes: tuple[str, ...]) -> Any:
-    """`jaxpr` (open) with each attention span the policy lets fuse replaced by one
-    `fused_attention` equation (`jaxpr` itself when there is none). `consts`: the
-    values of its constants (constant masks are evaluated from them)."""
-    if ctx.attention != "auto" or ctx.compute_dtype not in _dtypes.HALF:
-        return jaxpr
-    found = find(jaxpr, compute_dtype=ctx.compute_dtype, consts=consts)
-    if not found:
-        return jaxpr
-    emit = _EMIT.get()
-    eqns = list(jaxpr.eqns)
-    replaced: dict[int, Any] = {}
-    for m in found:
-        if isinstance(m, LeftAlone):
-            ctx.observer.rewrite("attention", m.describe(), "left alone")
-            continue
-        span = [eqns[i] for i in m.eqns]
-        span_scopes = [scopes + _compat.scope_names(e.source_info.name_stack) for e in span]
-        rule = ctx.lookup.rule(fused_attention_p, span_scopes[-1])
-        why = None
-        if any(e.effects for e in span):
-            why = "an effect in the span"
-        elif any("amp_stop" in s for s in span_scopes) or rule is not ATTENTION:
-            why = f"the policy ({rule.name})"
-        else:
-            plan = _plan_for(m) if emit.kernel == "cudnn" else m
-            if isinstance(plan, str):
-                why = f"no fused kernel here (cuDNN: {plan})"
-        if why is not None:
-            ctx.observer.rewrite("attention", m.describe(), f"as written: {why}")
-            continue
-        inputs = list(m.inputs) + _free_vars(span, m.inputs)
-        body = _compat.jaxpr_of(inputs, m.outputs, span)
-        params = {"match": m, "plan": plan, "body": body, "scopes": scopes, "emit": emit}
-        replaced[m.eqns[-1]] = _compat.new_eqn(inputs, m.outputs, fused_attention_p, params, span[-1].source_info)
-        for i in m.eqns[:-1]:
-            replaced[i] = None
-    if not replaced:
-        return jaxpr
-    new = [replaced.get(i, e) for i, e in enumerate(eqns) if replaced.get(i, e) is not None]
-    return _compat.with_eqns(jaxpr, new)
+def _spans(jaxpr: Any, consts: Sequence[Any], compute_dtype: Any) -> list[_rewrites.Span | _rewrites.Kept]:
+    """The rewrite's finder: each attention of `jaxpr`'s top-level equations, a span to fuse
+    or what was left alone and why (`consts`: the values of its constants, from which
+    constant masks are evaluated). None unless the compute dtype is a half one."""
+    if compute_dtype not in _dtypes.HALF:
+        return []
+    return [
+        _rewrites.Kept(m.describe(), "left alone")
+        if isinstance(m, LeftAlone)
+        else _rewrites.Span(tuple(m.eqns), tuple(m.inputs), tuple(m.outputs), m.describe(), m)
+        for m in find(jaxpr, compute_dtype=compute_dtype, consts=consts)
+    ]
 
 
-def _free_vars(span: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
-    """The variables the span's equations read that neither the span makes nor `inputs`
-    holds (constants of the jaxpr the recogniser folded into the match): its body takes them."""
-    made = {v for e in span for v in e.outvars}
-    have = set(inputs)
-    out: list[Any] = []
-    for e in span:
-        for v in e.invars:
-            if not isinstance(v, _compat.Literal) and v not in made and v not in have:
-                have.add(v)
-                out.append(v)
-    return out
+def _prepare(span: _rewrites.Span) -> dict[str, Any] | str:
+    """The `fused_attention` equation's parameters for a span the policy lets fuse: its
+    `match`, the `plan` the kernel takes (`cudnn_plan`, where it traces) and where it is
+    emitted (`emitting`); or why there is no fused kernel here."""
+    match, emit = span.found, _EMIT.get()
+    plan = _plan_for(match) if emit.kernel == "cudnn" else match
+    if isinstance(plan, str):
+        return f"no fused kernel here (cuDNN: {plan})"
+    return {"match": match, "plan": plan, "emit": emit}
+
+
+REWRITE = _rewrites.register_rewrite("attention", fused_attention_p, _spans, ATTENTION, _prepare)
+"""The attention rewrite, registered: `autocast._rewrites.rewrite` applies it to each jaxpr
+amp evaluates, before it is planned (never inside `amp_stop`, nor where the policy maps the
+span's scopes to `xla_attention`, nor with `amp(attention="xla")`)."""
