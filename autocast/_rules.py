@@ -71,7 +71,11 @@ class Rule:
     [Policies and rules](../policies.md)).
 
     Subclass it for a rule the planner should know more about, or that binds its equation
-    itself; override `cast` or `__call__` (each calls the other by default).
+    itself; define `cast` or `__call__` (each calls the other by default): a subclass that
+    defines neither is refused when the class is defined (a `TypeError` naming it), as an
+    abstract base class would be. A base class meant to be subclassed again declares
+    itself `class Base(autocast.Rule, abstract=True)`: it may leave both out, and is not
+    instantiated.
 
     Attributes:
         role: What the planner may assume. `"compute"`: the equation runs in the compute
@@ -117,6 +121,26 @@ class Rule:
     casts_only: bool = False
     name: str = "rule"
     primitives: frozenset[str] | None = None
+    _abstract: bool = True  # Rule itself; each subclass sets its own (`__init_subclass__`)
+
+    def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
+        """Refuse a concrete subclass that defines neither `cast` nor `__call__` (each of
+        `Rule`'s calls the other: the rule would recurse until Python's limit)."""
+        super().__init_subclass__(**kwargs)
+        cls._abstract = abstract
+        if not abstract and cls.cast is Rule.cast and cls.__call__ is Rule.__call__:
+            raise TypeError(
+                f"{cls.__module__}.{cls.__qualname__} subclasses autocast.Rule but defines neither `cast` nor "
+                "`__call__`: define cast(self, compute_dtype, original_dtypes, invars, params, free) -> (invars, "
+                "params), or __call__ with the rule protocol (or declare a base class with abstract=True)."
+            )
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Rule:
+        if cls._abstract:
+            raise TypeError(
+                f"{cls.__qualname__} is abstract (it defines no `cast`): subclass it and define `cast` or `__call__`."
+            )
+        return super().__new__(cls)
 
     def cast(
         self,
