@@ -35,6 +35,7 @@ from ._policy import extend_policy as extend_policy
 from ._policy import load_policy as load_policy
 from ._policy import register_rule as register_rule
 from ._policy import unregister_rule as unregister_rule
+from ._rule_context import RuleContext as RuleContext
 from ._rules import Rule as Rule
 from ._rules import use_as_is as use_as_is
 from ._rules import use_compute_precision as use_compute_precision
@@ -57,6 +58,7 @@ __all__ = [
     "Finding",
     "NoOpScalerState",
     "Rule",
+    "RuleContext",
     "StaticScalerState",
     "all_finite",
     "amp",

@@ -104,16 +104,20 @@ def bind(
     *,
     widen: bool = False,
     bias_sum: bool = False,
+    scopes: tuple[str, ...] = (),
 ) -> list[Any]:
     """Bind `eqn` on the operands `rule` cast (`new_invals`, from `invals` as they
     arrived). `widen`: the planner lets this matmul store a float32 result (every reader
     computes in float32); `bias_sum`: its result is a matmul-plus-bias sum that feeds an
-    expensive function (`autocast._plan.Plan.bias_sums`)."""
+    expensive function (`autocast._plan.Plan.bias_sums`); `scopes`: the equation's named
+    scopes (for the `autocast.RuleContext` a rule's own `bind` gets)."""
     prim = eqn.primitive
     # A rule may bind the equation itself (a float8 matmul, a fused attention kernel): it
-    # gets the operands as they arrived and as it cast them, and returns the outputs, or None
-    # to have the equation bound as usual.
-    outs = rule.bind(ctx, eqn, invals, new_invals, params, in_free)
+    # gets the public context, the operands as they arrived and as it cast them, and returns
+    # the outputs, or None to have the equation bound as usual.
+    outs = None
+    if type(rule).bind is not _rules.Rule.bind:  # (the default binds nothing: no context made)
+        outs = rule.bind(ctx.for_rule(scopes), eqn, invals, new_invals, params, in_free)
     if outs is not None:
         return list(outs)
     # Matmuls read only in float32 store a float32 result (``widen``); the cotangent of a

@@ -61,10 +61,10 @@ MIN_DIM = 16
 """Default: a `dot_general` runs in float8 only if its M, N and K are all at least this."""
 
 
-def _recomputed(ctx: Any, var: Any) -> bool:
+def _recomputed(ctx: _rules.RuleContext, var: Any) -> bool:
     """Whether the backward pass has operand `var` at no cost: recomputed by the enclosing
     autocast checkpoint (`ctx.checkpoint_saved`: the values it saves; None outside one)."""
-    saved = getattr(ctx, "checkpoint_saved", None)
+    saved = ctx.checkpoint_saved
     return saved is not None and (isinstance(var, _compat.Literal) or var not in saved)
 
 

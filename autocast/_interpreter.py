@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
@@ -69,6 +69,7 @@ from jax.ad_checkpoint import checkpoint_name
 from . import _binding, _compat, _dtypes, _islands, _plan, _rewrites
 from ._binding import LITERAL, original_dtypes
 from ._policy import Lookup
+from ._rule_context import RuleContext
 
 __all__ = ["LITERAL", "NO_OBSERVER", "Context", "Observer", "eval_jaxpr", "original_dtypes", "transform_jaxpr"]
 
@@ -178,13 +179,6 @@ class Context:
         other.checkpoint_saved = frozenset(saved)
         return other
 
-    def without_rewrite(self, name: str) -> Context:
-        """This context (same caches), without the rewrite `name`: for the equations of a
-        span it rewrote, evaluated as written."""
-        other = copy.copy(self)
-        other.rewrites_off = self.rewrites_off | {name}
-        return other
-
     def without_observer(self) -> Context:
         """This context (same caches), observed by no one: for a trace that is not part of
         the program `explain` reports on."""
@@ -194,10 +188,37 @@ class Context:
 
     def eval_closed(self, closed: Any, args: Sequence[Any], free: Sequence[Any], scopes: tuple[str, ...]) -> list[Any]:
         """Evaluate a closed jaxpr's equations under this context (in the trace that is
-        running): what a rule's `bind` calls to run equations it holds as amp would."""
+        running): what `RuleContext.eval_closed` runs."""
         open_, consts = _compat.open_and_consts(closed)
         outs, _ = eval_jaxpr(self, open_, consts, args, free, scopes)
         return outs
+
+    def for_rule(self, scopes: tuple[str, ...]) -> RuleContext:
+        """The public, frozen view of this context a rule's `bind` gets, for an equation in
+        the named `scopes` (`autocast.RuleContext`)."""
+        remat: bool | Literal["auto"] = False if not self.remat else "auto" if self.remat_auto else True
+        return RuleContext(
+            self.compute_dtype, tuple(scopes), remat, self.recomputed, self.checkpoint_saved, self.observer, self._eval
+        )
+
+    def _eval(
+        self,
+        closed: Any,
+        args: Sequence[Any],
+        free: Sequence[Any],
+        scopes: tuple[str, ...],
+        rewrites: bool,
+        observed: bool,
+    ) -> list[Any]:
+        """`RuleContext.eval_closed`: `closed` evaluated in this context, with no
+        whole-program rewrite (`rewrites` False) and observed by no one (`observed` False)."""
+        ctx = self
+        if not rewrites:
+            ctx = copy.copy(ctx)
+            ctx.rewrites_off = frozenset(_rewrites.REWRITES)
+        if not observed:
+            ctx = ctx.without_observer()
+        return ctx.eval_closed(closed, args, free, scopes)
 
     def cached(self, key: tuple, jaxpr_like: Any, build):
         """Memoise a sub-jaxpr rewrite on (jaxpr object, dtypes, scopes, ...)."""
@@ -370,7 +391,7 @@ def _eval_eqn(
                 hctx = hctx.inside_recomputed_island()
             outs, out_free = step.handler(hctx, eqn, invals, in_free, eqn_scopes, step.out_float32)
         else:
-            outs, out_free, bound = _apply_rule(ctx, eqn, plan, step.rule, invals, in_free, widen)
+            outs, out_free, bound = _apply_rule(ctx, eqn, plan, step.rule, invals, in_free, widen, eqn_scopes)
             saved = ctx.recomputed or (island and island[1])
             if len(outs) == 1 and eqn.outvars[0] in plan.statistics and saved:
                 # a row statistic: saved by the island's checkpoint (`_plan.Plan.statistics`)
@@ -381,13 +402,24 @@ def _eval_eqn(
             env[var] = (val, f)
 
 
-def _apply_rule(ctx: Context, eqn: Any, plan: _plan.Plan, rule: Any, invals: list, in_free: list, widen: bool):
+def _apply_rule(
+    ctx: Context,
+    eqn: Any,
+    plan: _plan.Plan,
+    rule: Any,
+    invals: list,
+    in_free: list,
+    widen: bool,
+    scopes: tuple[str, ...],
+):
     """Cast by the rule, then bind (`autocast._binding`): `(outs, out_free, cast operands)`."""
     rule, new_invals, params = _binding.cast(ctx, eqn, rule, invals, in_free)
     if eqn.primitive.name in _binding.SCATTERS:
         params = _retype_combiner(ctx, params, new_invals[0])
     bias_sum = bool(eqn.outvars) and eqn.outvars[0] in plan.bias_sums
-    outs = _binding.bind(ctx, eqn, rule, invals, new_invals, params, in_free, widen=widen, bias_sum=bias_sum)
+    outs = _binding.bind(
+        ctx, eqn, rule, invals, new_invals, params, in_free, widen=widen, bias_sum=bias_sum, scopes=scopes
+    )
     return outs, _binding.out_free(eqn, in_free, len(outs)), new_invals
 
 

@@ -35,7 +35,9 @@ function):
   above; the call calls `cast` in turn, so a subclass overrides one of the two);
 - `bind(ctx, eqn, arrived, cast, params, free)`: binds the equation itself and returns
   its outputs (a float8 matmul, a fused attention kernel), or None, the default, to have
-  the interpreter bind it on the cast operands.
+  the interpreter bind it on the cast operands. `ctx` is a `RuleContext`
+  (`autocast._rule_context`): a small, frozen, public view of the transformation, not the
+  interpreter's private `Context`.
 
 The built-in rules below (functions made `Rule` objects with their role),
 `select_in_float32`, `autocast._fp8`'s float8 rules and the attention rewrite's rules
@@ -58,6 +60,7 @@ import jax
 import numpy as np
 
 from . import _compat, _dtypes
+from ._rule_context import RuleContext
 
 Role = Literal["compute", "float32", "input", "widest", "original", "as_is", "convert", "select_float32", "opaque"]
 """What the planner may assume about a rule's equation (`Rule.role`)."""
@@ -169,7 +172,7 @@ class Rule:
 
     def bind(
         self,
-        ctx: Any,
+        ctx: RuleContext,
         eqn: Any,
         arrived: Sequence[Any],
         cast: Sequence[Any],
@@ -179,8 +182,9 @@ class Rule:
         """Bind the equation itself (a float8 matmul, a fused attention kernel).
 
         Args:
-            ctx: The interpreter's context (`ctx.checkpoint_saved`: inside an autocast
-                checkpoint, the values it saves).
+            ctx: What the rule may use of the transformation (an `autocast.RuleContext`,
+                frozen: the compute dtype, the named scopes, the remat settings, evaluating
+                a closed jaxpr as amp would, ...).
             eqn: The equation.
             arrived: The operands before `cast`.
             cast: The operands `cast` returned.

@@ -128,13 +128,14 @@ class _Fused(_rules.Rule):
         n = len(match.inputs)
         flags = list(free or [False] * len(arrived))
         ctx.observer.rewrite("attention", match.describe(), emit.describe())
-        as_written = ctx.without_rewrite("attention")
 
-        def original(*ops: Any) -> list[Any]:
-            return as_written.eval_closed(body, ops, flags, scopes)
+        def original(*ops: Any) -> list[Any]:  # the span's equations, as written
+            return ctx.eval_closed(body, ops, flags, scopes=scopes, rewrites=False)
 
-        quiet = as_written.without_observer()  # the shapes' trace is not the program: explain sees the branch's
-        shapes = jax.eval_shape(lambda *a: quiet.eval_closed(body, a, flags, scopes), *arrived)
+        # the shapes' trace is not the program: explain sees the branch's
+        shapes = jax.eval_shape(
+            lambda *a: ctx.eval_closed(body, a, flags, scopes=scopes, rewrites=False, observed=False), *arrived
+        )
 
         def fused(*ops: Any) -> list[Any]:
             return [o.astype(s.dtype) for o, s in zip(emit.run(plan, ops[:n]), shapes)]
@@ -145,7 +146,7 @@ class _Fused(_rules.Rule):
         return list(jax.lax.platform_dependent(*arrived, **{emit.platform: fused}, default=original))
 
 
-def _recompute(ctx: Any, plan: Match) -> bool:
+def _recompute(ctx: _rules.RuleContext, plan: Match) -> bool:
     """Whether the fused call is recomputed in the backward pass (one more forward kernel)
     instead of keeping its residuals (its output and a float32 row statistic), by
     `remat_float32` as for a float32 island: `True` always; `"auto"` where that cuts what it
@@ -154,7 +155,7 @@ def _recompute(ctx: Any, plan: Match) -> bool:
     `False` never."""
     if not ctx.remat or ctx.recomputed:  # (inside a checkpoint that recomputes it anyway)
         return False
-    return not ctx.remat_auto or plan.seq_multiple > 1
+    return ctx.remat is True or plan.seq_multiple > 1
 
 
 class _Unfused(_rules.Rule):
