@@ -214,7 +214,7 @@ class _Base(_Spec):
 
 
 def _insert(aval: Any, size: int) -> Any:
-    return jax.core.ShapedArray((size, *aval.shape), aval.dtype, weak_type=aval.weak_type)
+    return aval.update(shape=(size, *aval.shape))
 
 
 class _Batched(_Spec):
