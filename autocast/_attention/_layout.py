@@ -96,11 +96,6 @@ def untransposed(amap: AxisMap, perm: Sequence[int]) -> AxisMap:
     return tuple(out)
 
 
-def reshaped(in_shape: Sequence[int], out_shape: Sequence[int], amap: AxisMap) -> AxisMap | None:
-    """The map after a reshape that only inserts or removes size-1 axes (None otherwise)."""
-    return regrouped(in_shape, out_shape, amap)
-
-
 def regrouped(
     in_shape: Sequence[int], out_shape: Sequence[int], amap: AxisMap, merges: Merges | None = None
 ) -> AxisMap | None:

@@ -60,7 +60,7 @@ def peel_layout(g: Graph, atom: Atom, amap: _layout.AxisMap) -> tuple[Atom, _lay
         elif node.name == "transpose":
             amap = _layout.untransposed(amap, node.params["permutation"])
         else:
-            back = _layout.reshaped(g.shape(atom), g.shape(src), amap)
+            back = _layout.regrouped(g.shape(atom), g.shape(src), amap)
             if back is None:
                 break
             amap = back
