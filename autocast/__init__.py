@@ -12,7 +12,10 @@ from typing import Any as _Any
 
 # The features first: they register their policy categories and rewrites (`_rules.register_category`,
 # `_rewrites.register_rewrite`) before `_policy` (imported by the modules below) loads the default table.
-from . import _attention, _fp8, _higher_order, _hijax  # noqa: F401  (and register the higher-order handlers)
+from . import _attention, _fp8, _loss_head  # noqa: F401
+
+# isort: split
+from . import _higher_order, _hijax  # noqa: F401  (register the higher-order handlers)
 from . import optim as optim
 from ._amp import amp as amp
 from ._checkpoint import CheckpointError as CheckpointError

@@ -202,6 +202,14 @@ def amp(fn: Callable | None = None, **options: Unpack[AmpKwargs]) -> Any:
             (the softmax of `q . k` over the keys, times `v`, with a concrete scale and a
             causal, windowed, length or boolean mask) runs as cuDNN's fused kernel on a
             CUDA GPU, as written elsewhere (docs/attention.md). `"xla"`: never fused.
+        loss_head: Whether the loss head is computed on token chunks. `"auto"` (default):
+            a projection to a vocabulary whose result only a row-local loss reads (softmax
+            cross-entropy, z-loss, label smoothing, soft-capping, masks) down to sums over
+            the tokens, with more than 512 MiB of float32 logits, runs as a `lax.scan` over
+            token chunks (each chunk's logits recomputed in the backward pass, the loss and
+            the weight gradient accumulated in float32), on every platform
+            (docs/loss_head.md). `"xla"`: as written. An int: that many chunks (at least;
+            the smallest count that divides the token axis), whatever the size.
 
     Returns:
         A function with `fn`'s signature. Calls with the same argument structure, shapes
@@ -211,8 +219,8 @@ def amp(fn: Callable | None = None, **options: Unpack[AmpKwargs]) -> Any:
         TypeError: `fn` is not callable, a keyword is not one of the options above, or
             `amp_policy` is not a mapping from primitives or scope names to rules.
         ValueError: `compute_dtype` is not float16, bfloat16 or float32 (or one of their
-            names), or `remat_float32`, `weight_grad_dtype`, `custom_vjp_bwd` or
-            `attention` is not one of the values above.
+            names), or `remat_float32`, `weight_grad_dtype`, `custom_vjp_bwd`,
+            `attention` or `loss_head` is not one of the values above.
 
     Example:
         ```python

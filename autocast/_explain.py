@@ -179,8 +179,8 @@ class Explanation:
             write), each `{"amp": ..., "float32": ...}` by dtype (the last two None where
             JAX cannot differentiate the function); `casts_inserted`; `float32_islands`
             and `islands_recomputed`; `custom_vjp_bwd` (`count`, `mode`); `float16_sums`;
-            `attention` (each attention found: `attention`, `kernel`). See
-            `autocast.explain`.
+            `attention` (each attention found: `attention`, `kernel`); `loss_head` (each
+            loss head found: `loss_head`, `how`). See `autocast.explain`.
         float32_matmuls: Every matmul / convolution (any depth) whose operands are not in
             the compute dtype (float8 matmuls excepted), with its `primitive`, `shape`,
             `dtype`, `reason`, `scopes`, `path` and `source` line.
@@ -302,6 +302,8 @@ class Explanation:
             lines.append(f"custom_vjp backward rules: {vjp['count']}, run {how}")
         for att in t.get("attention") or []:
             lines.append(f"{att['attention']}: {att['kernel']}")
+        for head in t.get("loss_head") or []:
+            lines.append(f"{head['loss_head']}: {head['how']}")
         sums = t.get("float16_sums") or []
         if sums:
             lines.append(
@@ -450,6 +452,9 @@ def explain(fn: Callable, **options: Unpack[AmpKwargs]) -> Callable[..., Explana
         attention: `"auto"` (default: attention amp proves equal to one fused call runs as
             cuDNN's kernel on a CUDA GPU) or `"xla"` (never fused); `totals["attention"]`
             lists each attention found, with what amp does with it and why.
+        loss_head: `"auto"` (default), `"xla"` or a number of chunks (see `autocast.amp`);
+            `totals["loss_head"]` lists each loss head found, with its chunks or why it
+            runs as written.
 
     Returns:
         A function that takes `fn`'s arguments (arrays, or `jax.ShapeDtypeStruct` leaves:
@@ -463,7 +468,8 @@ def explain(fn: Callable, **options: Unpack[AmpKwargs]) -> Callable[..., Explana
             many `custom_vjp` backward rules the program holds and how they run;
             `float16_sums`: with float16, the sums computed in float32 and rounded to
             float16 for what reads them; `attention`: each attention found, what it is
-            and its kernel, or why it runs as written) and `.float32_matmuls` (each matmul/convolution
+            and its kernel, or why it runs as written; `loss_head`: each loss head found,
+            chunked or why not) and `.float32_matmuls` (each matmul/convolution
             not in the compute dtype, with its source line), or export `.to_dict()` /
             `.to_markdown()`.
 
@@ -517,6 +523,7 @@ def explain(fn: Callable, **options: Unpack[AmpKwargs]) -> Callable[..., Explana
             "attention": [
                 {"attention": a, "kernel": k} for a, k in dict.fromkeys(observer.rewrites.get("attention", []))
             ],
+            "loss_head": [{"loss_head": a, "how": k} for a, k in dict.fromkeys(observer.rewrites.get("loss_head", []))],
         }
         return Explanation(opts.dtype.name, observer.records, totals)
 

@@ -144,6 +144,8 @@ class Context:
         # {"attention"} for `amp(attention="xla")`, and in the equations of a rewritten span
         # evaluated as written.
         self.rewrites_off: frozenset[str] = frozenset()
+        # amp's option of each rewrite by name, for its `prepare` (`{"loss_head": 4}`).
+        self.rewrite_settings: dict[str, Any] = {}
 
     def narrowing(self, out_narrow: Sequence[bool] | None) -> Context:
         """This context (same caches), telling a call's handler which outputs to narrow."""
@@ -209,10 +211,14 @@ class Context:
         scopes: tuple[str, ...],
         rewrites: bool,
         observed: bool,
+        recomputed: bool = False,
     ) -> list[Any]:
         """`RuleContext.eval_closed`: `closed` evaluated in this context, with no
-        whole-program rewrite (`rewrites` False) and observed by no one (`observed` False)."""
+        whole-program rewrite (`rewrites` False), observed by no one (`observed` False), as
+        inside a checkpoint that recomputes it (`recomputed`)."""
         ctx = self
+        if recomputed and not ctx.recomputed:
+            ctx = ctx.inside_recomputed_island()
         if not rewrites:
             ctx = copy.copy(ctx)
             ctx.rewrites_off = frozenset(_rewrites.REWRITES)

@@ -36,6 +36,7 @@ class AmpKwargs(TypedDict, total=False):
     weight_grad_dtype: Literal["float32", "compute"]
     custom_vjp_bwd: Literal["amp", "original"]
     attention: Literal["auto", "xla"]
+    loss_head: Literal["auto", "xla"] | int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,7 @@ class AmpOptions:
     weight_grad_dtype: Literal["float32", "compute"] = "float32"
     custom_vjp_bwd: Literal["amp", "original"] = "amp"
     attention: Literal["auto", "xla"] = "auto"
+    loss_head: Literal["auto", "xla"] | int = "auto"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: canonical values are written once, here
@@ -69,6 +71,15 @@ class AmpOptions:
         _check_choice("weight_grad_dtype", self.weight_grad_dtype, _WEIGHT_GRAD_DTYPES)
         _check_choice("custom_vjp_bwd", self.custom_vjp_bwd, _CUSTOM_VJP_BWD)
         _check_choice("attention", self.attention, _ATTENTION)
+        head = self.loss_head
+        if not (isinstance(head, str) and head in _ATTENTION) and not (
+            isinstance(head, (int, np.integer)) and not isinstance(head, bool) and head >= 1
+        ):
+            raise ValueError(
+                f"loss_head={head!r} is not allowed; use 'auto', 'xla' or a number of chunks (an int >= 1)."
+            )
+        if isinstance(head, np.integer):
+            set_(self, "loss_head", int(head))
 
     @classmethod
     def from_kwargs(cls, caller: str, options: Mapping[str, Any]) -> AmpOptions:
@@ -102,7 +113,11 @@ class AmpOptions:
         ctx = cls(self.dtype, self.policy, self.remat_float32)
         ctx.float32_cotangents = self.weight_grad_dtype == "float32"
         ctx.custom_vjp_bwd = self.custom_vjp_bwd
-        ctx.rewrites_off = frozenset() if self.attention == "auto" else frozenset({"attention"})
+        off = {"attention"} if self.attention == "xla" else set()
+        if self.loss_head == "xla":
+            off.add("loss_head")
+        ctx.rewrites_off = frozenset(off)
+        ctx.rewrite_settings = {"loss_head": self.loss_head}
         return ctx
 
     def as_kwargs(self) -> dict[str, Any]:

@@ -374,6 +374,8 @@ def find_overflow(
         attention: `"auto"` (default) or `"xla"`, as for `autocast.amp`; the program
             checked is the one amp runs on this machine (a fused attention kernel exists
             only on a CUDA GPU).
+        loss_head: `"auto"` (default), `"xla"` or a number of chunks, as for
+            `autocast.amp` (a chunked loss head is checked chunk by chunk).
         grad: Also check the backward pass; `fn` must return a scalar float loss, and
             the gradient is taken with respect to every floating array leaf of the
             arguments.

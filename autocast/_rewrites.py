@@ -15,8 +15,10 @@ feature. A rewrite declares:
   the spans in it as written;
 - `find(jaxpr, consts, compute_dtype)`: the spans the rewrite proved (`Span`) and what it
   saw but leaves alone, with the reason (`Kept`);
-- `prepare(span)`: the parameters of the new equation, or a string saying why the span
-  stays as written (no kernel for it on this machine).
+- `prepare(span, setting)`: the parameters of the new equation, or a string saying why the
+  span stays as written (no kernel for it on this machine; too small to pay). `setting` is
+  amp's option of the rewrite's name (`amp(loss_head=4)`: `Context.rewrite_settings`), or
+  None.
 
 A span is also kept as written, whatever `find` said, if an equation of it has an effect,
 if it is inside `amp_stop`, if the policy does not give `primitive` the rewrite's `rule`, or
@@ -73,7 +75,7 @@ class Rewrite:
     primitive: Any
     find: Callable[[Any, Sequence[Any], Any], Sequence[Span | Kept]]
     rule: _rules.Rule
-    prepare: Callable[[Span], Mapping[str, Any] | str]
+    prepare: Callable[[Span, Any], Mapping[str, Any] | str]
 
 
 REWRITES: dict[str, Rewrite] = {}
@@ -85,7 +87,7 @@ def register_rewrite(
     primitive: Any,
     find: Callable[[Any, Sequence[Any], Any], Sequence[Span | Kept]],
     rule: _rules.Rule,
-    prepare: Callable[[Span], Mapping[str, Any] | str] | None = None,
+    prepare: Callable[[Span, Any], Mapping[str, Any] | str] | None = None,
 ) -> Rewrite:
     """Declare a whole-program rewrite (once, at its module's import).
 
@@ -97,8 +99,9 @@ def register_rewrite(
             alone (`Kept`) in an open jaxpr's top-level equations.
         rule: The rule that binds the new equation, and that the policy must give
             `primitive` for a span to be rewritten.
-        prepare: `prepare(span)`: the new equation's parameters, or why the span stays as
-            written (None: the parameters are `{"found": span.found}`).
+        prepare: `prepare(span, setting)`: the new equation's parameters, or why the span
+            stays as written (None: the parameters are `{"found": span.found}`); `setting`
+            is amp's option named `name` (`Context.rewrite_settings`), or None.
 
     Returns:
         The `Rewrite`.
@@ -106,7 +109,7 @@ def register_rewrite(
     Raises:
         ValueError: Another rewrite of that name, or of that primitive, is registered.
     """
-    rewrite_ = Rewrite(name, primitive, find, rule, prepare or (lambda span: {"found": span.found}))
+    rewrite_ = Rewrite(name, primitive, find, rule, prepare or (lambda span, setting: {"found": span.found}))
     for other in REWRITES.values():
         if other.name == name or other.primitive is primitive:
             raise ValueError(f"register_rewrite({name!r}): {other.name!r} is registered for it already.")
@@ -125,7 +128,7 @@ def rewrite(ctx: Any, jaxpr: Any, consts: Sequence[Any], scopes: tuple[str, ...]
 
     Args:
         ctx: The interpreter's context (`compute_dtype`, `lookup`, `observer`,
-            `rewrites_off`).
+            `rewrites_off`, `rewrite_settings`).
         jaxpr: The open jaxpr amp is about to plan.
         consts: The values of its constants (a finder may evaluate constant masks).
         scopes: The named scopes around it, outermost first.
@@ -158,7 +161,7 @@ def _apply(ctx: Any, rw: Rewrite, jaxpr: Any, consts: Sequence[Any], scopes: tup
         elif any(ctx.lookup.stopped(sc) for sc in span_scopes) or rule is not rw.rule:
             params = f"the policy ({rule.name})"
         else:
-            params = rw.prepare(s)
+            params = rw.prepare(s, ctx.rewrite_settings.get(rw.name))
         if isinstance(params, str):
             ctx.observer.rewrite(rw.name, s.what, f"as written: {params}")
             continue

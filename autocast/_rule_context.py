@@ -80,6 +80,7 @@ class RuleContext:
         scopes: tuple[str, ...] | None = None,
         rewrites: bool = True,
         observed: bool = True,
+        recomputed: bool = False,
     ) -> list[Any]:
         """Evaluate a closed jaxpr's equations as amp would, in the trace that is running:
         how a rule that holds equations binds them (the fused attention's span, as written).
@@ -94,6 +95,9 @@ class RuleContext:
                 equations; False: as written (the equations a rewrite replaced).
             observed: Whether `autocast.explain` records its equations; False for a trace
                 that is not part of the program (the shapes of the outputs).
+            recomputed: Whether the rule evaluates them inside a checkpoint of its own that
+                recomputes them in the backward pass (the loss head's chunks): amp then adds
+                no recomputed float32 island of its own there.
 
         Returns:
             Its outputs.
@@ -115,4 +119,5 @@ class RuleContext:
             ```
         """
         free = [False] * len(args) if free is None else list(free)
-        return self._evaluate(closed, args, free, self.scopes if scopes is None else scopes, rewrites, observed)
+        scopes = self.scopes if scopes is None else scopes
+        return self._evaluate(closed, args, free, scopes, rewrites, observed, recomputed or self.recomputed)

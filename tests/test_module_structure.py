@@ -20,7 +20,7 @@ PACKAGE = Path(autocast.__file__).parent
 CORE = ("_interpreter", "_plan", "_steps", "_binding", "_islands", "_policy", "_rewrites", "_registry", "_rules")
 """The evaluation loop and what it stands on: they import no feature."""
 
-FEATURES = ("_attention", "_fp8", "_fp8_cost")
+FEATURES = ("_attention", "_fp8", "_fp8_cost", "_loss_head")
 """Modules (and subpackages: every module inside) that plug into the core through its doors."""
 
 UP = ("_amp", "_interpreter", "_plan", "_binding", "_islands", "_policy", "_higher_order", "_explain", "_overflow")

@@ -210,7 +210,7 @@ def _spans(jaxpr: Any, consts: Sequence[Any], compute_dtype: Any) -> list[_rewri
     ]
 
 
-def _prepare(span: _rewrites.Span) -> dict[str, Any] | str:
+def _prepare(span: _rewrites.Span, setting: Any = None) -> dict[str, Any] | str:
     """The `fused_attention` equation's parameters for a span the policy lets fuse: its
     `match`, the `plan` the kernel takes (`cudnn_plan`, where it traces) and where it is
     emitted (`emitting`); or why there is no fused kernel here."""

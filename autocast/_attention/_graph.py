@@ -54,6 +54,7 @@ class Node:
     outs: tuple[int, ...]  # -1 for a dropped output
     top: int  # index of the top-level equation it belongs to
     opaque: bool = False
+    source: Any = None  # its equation's source info, the name stack of the calls inlined around it included
 
     @property
     def name(self) -> str:
@@ -171,13 +172,16 @@ class Graph:
             )
         return self._dot_free[key]
 
-    def _add(self, eqn: Any, env: dict[Any, Atom], top: int) -> list[Atom]:
+    def _add(self, eqn: Any, env: dict[Any, Atom], top: int, outer: Any = None) -> list[Atom]:
         ins = tuple(self._atom(x, env) for x in eqn.invars)
         body = self._inline_body(eqn)
+        source = eqn.source_info
+        if outer is not None:
+            source = source.replace(name_stack=outer.name_stack + source.name_stack)
         if body is None:
             outs = tuple(-1 if isinstance(v, _compat.DropVar) else self._fresh(v.aval) for v in eqn.outvars)
             opaque = bool(_walk.bodies(eqn)) or _compat.hi_prim(eqn) is not None
-            node = Node(eqn.primitive, dict(eqn.params), ins, outs, top, opaque or bool(eqn.effects))
+            node = Node(eqn.primitive, dict(eqn.params), ins, outs, top, opaque or bool(eqn.effects), source)
             for o in outs:
                 if o >= 0:
                     self.producer[o] = len(self.nodes)
@@ -192,7 +196,7 @@ class Graph:
         for var, atom in zip(open_.invars, ins):
             inner[var] = atom
         for e in open_.eqns:
-            for var, atom in zip(e.outvars, self._add(e, inner, top)):
+            for var, atom in zip(e.outvars, self._add(e, inner, top, source)):
                 if not isinstance(var, _compat.DropVar):
                     inner[var] = atom
         return [self._atom(v, inner) for v in open_.outvars]

@@ -1,0 +1,271 @@
+"""The loss head in amp: each head `_find` proves becomes one `loss_head` equation, whose rule
+replays the user's own equations on token chunks.
+
+Registered at import through `autocast._rewrites` (`REWRITE`), with its policy categories
+(`loss_head`; `xla_loss_head` keeps the heads in a named scope as written). For a head the
+policy lets chunk, `_prepare` chooses the chunk count `k` and traces the span's equations at
+chunk shapes (`_axes.at_chunk`: the shapes in their parameters divided along the token
+axis) into one jaxpr; the rule, `_Chunked`, binds
+
+    carry, per_token = lax.scan(checkpoint(step), zeros, chunks of the token inputs)
+
+where `step` evaluates that jaxpr under amp's rules on one chunk (the head's matmul in the
+compute dtype, the softmax in float32, as unchunked) and adds what it reduces over the tokens
+to a float32 carry. JAX derives the backward pass: the checkpoint recomputes each chunk's
+logits, and the weight enters the loop as it arrived (float32) and is cast inside it, so its
+gradient is accumulated across chunks in float32, the loss scale included (it is the
+cotangent of the carry). No gradient is written by hand.
+
+**Chunk count.** With `loss_head="auto"` the smallest count that divides the token axis and
+brings the head's float32 logits per chunk to `BUDGET` bytes or less (GPT-2 small at 8 x 1024
+tokens: 1.53 GiB -> 4 chunks; Llama 3's vocabulary: 8); a head whose float32 logits fit
+in `BUDGET` is left as written (it does not pay). `loss_head=k` asks for `k` chunks (the
+smallest count >= k the token axis allows), whatever the size. See docs/loss_head.md for
+the measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _compat, _dtypes, _rewrites, _rules
+from . import _axes, _find
+
+BUDGET = 512 << 20
+"""The float32 logits one chunk may hold under `loss_head="auto"` (bytes). Deviceless H100,
+GPT-2 small body, 8 x 1024 tokens, amp bf16: 4 chunks (the vocabulary 50,257) take a third
+off the step's temporary memory for about 1 % modeled time; 8 chunks half, for 7 %."""
+
+loss_head_p = _compat.Primitive("loss_head")
+"""One loss head of a jaxpr amp evaluates (params: `plan`, `chunks`, `chunk`: the span's
+equations at chunk shapes, a closed jaxpr; `body`: the span as written; `scopes`)."""
+loss_head_p.multiple_results = True
+
+
+def _impl(*args: Any, plan: Any, chunks: int, chunk: Any, body: Any, scopes: tuple[str, ...]) -> list[Any]:
+    return _compat.jaxpr_as_fun(body)(*args)
+
+
+def _abstract_eval(*avals: Any, plan: Any, chunks: int, chunk: Any, body: Any, scopes: tuple[str, ...]) -> list[Any]:
+    open_, _ = _compat.open_and_consts(body)
+    return [v.aval for v in open_.outvars]
+
+
+loss_head_p.def_impl(_impl)
+loss_head_p.def_abstract_eval(_abstract_eval)
+_compat.register_lowering(loss_head_p, _compat.lower_fun(_impl, multiple_results=True))
+
+
+class _Chunked(_rules.Rule):
+    """The rule of `loss_head`: the span's equations on token chunks, in a `lax.scan` whose
+    step is checkpointed, what they reduce over the tokens accumulated in float32."""
+
+    role: _rules.Role = "opaque"
+    name = "loss_head"
+    primitives = frozenset({"loss_head"})
+
+    def cast(self, compute_dtype, original_dtypes, invars, params, free):
+        return list(invars), params  # each equation is cast by its own rule, per chunk
+
+    def bind(self, ctx, eqn, arrived, cast, params, free):
+        plan, k, chunk = params["plan"], params["chunks"], params["chunk"]
+        n = len(plan.inputs)
+        vals, flags = list(arrived[:n]), list(free or [False] * len(arrived))[:n]
+        in_axes = [plan.axes.get(i) for i in plan.inputs]
+        kinds = [plan.axes[o] for o in plan.outputs]
+        ctx.observer.rewrite("loss_head", plan.what, describe(k))
+        whole = [v for v, a in zip(vals, in_axes) if a is None]
+        xs = [_split(v, a, k) for v, a in zip(vals, in_axes) if a is not None]
+
+        def run(xs_t: Sequence[Any]) -> list[Any]:
+            it, wit = iter(xs_t), iter(whole)
+            args = [next(it) if a is not None else next(wit) for a in in_axes]
+            return ctx.eval_closed(chunk, args, flags, scopes=params["scopes"], rewrites=False, recomputed=True)
+
+        first = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
+        shapes = jax.eval_shape(lambda *a: _quiet(ctx, chunk, in_axes, whole, flags, params["scopes"], a), *first)
+
+        def step(carry: Sequence[Any], xs_t: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+            outs = run(xs_t)
+            it = iter(carry)
+            new, ys = [], []
+            for o, kind in zip(outs, kinds):
+                if kind == _axes.SUM:
+                    new.append(next(it) + o.astype(_accumulator(o.dtype)))
+                elif kind == _axes.MAX:
+                    c = next(it)
+                    new.append(_combine_max(c, o.astype(c.dtype)))
+                else:
+                    ys.append(o)
+            return new, ys
+
+        init = [_init(s, kind) for s, kind in zip(shapes, kinds) if isinstance(kind, str)]
+        step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
+        carry, ys = jax.lax.scan(step, init, xs)
+        results, cit, yit = [], iter(carry), iter(ys)
+        for s, kind in zip(shapes, kinds):
+            if isinstance(kind, str):
+                results.append(next(cit).astype(s.dtype))
+            else:
+                results.append(_merge(next(yit), kind))
+        return results
+
+
+def _quiet(ctx, chunk, in_axes, whole, flags, scopes, xs_t) -> list[Any]:
+    it, wit = iter(xs_t), iter(whole)
+    args = [next(it) if a is not None else next(wit) for a in in_axes]
+    return ctx.eval_closed(chunk, args, flags, scopes=scopes, rewrites=False, observed=False, recomputed=True)
+
+
+def _accumulator(dtype: Any) -> Any:
+    """Float sums accumulate in float32 (or wider); integer and boolean counts as they are."""
+    dtype = np.dtype(dtype)
+    if _dtypes.is_castable(dtype) and dtype.itemsize < 4:
+        return np.dtype(np.float32)
+    return dtype
+
+
+def _init(shape: Any, kind: str) -> Any:
+    dtype = _accumulator(shape.dtype)
+    if kind == _axes.SUM:
+        return jnp.zeros(shape.shape, dtype)
+    return jnp.full(shape.shape, _lowest(dtype), dtype)
+
+
+def _lowest(dtype: np.dtype) -> Any:
+    if np.issubdtype(dtype, np.floating):
+        return -np.inf
+    if np.issubdtype(dtype, np.integer):
+        return np.iinfo(dtype).min
+    return False
+
+
+def _combine_max(c: Any, o: Any) -> Any:
+    return jnp.maximum(c, o)
+
+
+def _split(x: Any, axis: int, k: int) -> Any:
+    """`x` with its axis `axis` cut into `k` contiguous chunks, stacked on a new leading axis."""
+    shape = list(x.shape)
+    shape[axis : axis + 1] = [k, shape[axis] // k]
+    return jnp.moveaxis(jnp.reshape(x, shape), axis, 0)
+
+
+def _merge(y: Any, axis: int) -> Any:
+    """The chunks of a per-token result (stacked on the leading axis) put back along `axis`."""
+    y = jnp.moveaxis(y, 0, axis)
+    shape = list(y.shape)
+    shape[axis : axis + 2] = [shape[axis] * shape[axis + 1]]
+    return jnp.reshape(y, shape)
+
+
+def describe(k: int) -> str:
+    return f"chunked: {k} token chunks (lax.scan + checkpoint), float32 accumulation"
+
+
+class _AsWritten(_rules.Rule):
+    """Map a named scope to this rule (category `xla_loss_head`) to keep the loss heads in it
+    as written: the logits are computed whole, as without the rewrite."""
+
+    role: _rules.Role = "opaque"
+    name = "xla_loss_head"
+    primitives = frozenset({"loss_head"})
+
+    def cast(self, compute_dtype, original_dtypes, invars, params, free):
+        return list(invars), params
+
+
+LOSS_HEAD = _Chunked()
+XLA_LOSS_HEAD = _AsWritten()
+CATEGORIES = {"loss_head": LOSS_HEAD, "xla_loss_head": XLA_LOSS_HEAD}
+"""The policy categories this module adds (`autocast._rules.register_category`)."""
+for _name, _rule in CATEGORIES.items():
+    _rules.register_category(_name, _rule)
+
+
+def _spans(jaxpr: Any, consts: Sequence[Any], compute_dtype: Any) -> list[_rewrites.Span | _rewrites.Kept]:
+    """The rewrite's finder: each loss head of `jaxpr`'s top-level equations (none unless the
+    compute dtype is a half one: float32 amp is an identity)."""
+    if compute_dtype not in _dtypes.HALF:
+        return []
+    out: list[_rewrites.Span | _rewrites.Kept] = []
+    for found in _find.find(jaxpr, consts):
+        if isinstance(found, _find.Refused):
+            out.append(_rewrites.Kept(found.what, f"as written: {found.why}"))
+            continue
+        eqns, plan = found
+        out.append(_rewrites.Span(eqns, plan.in_vars, plan.out_vars, plan.what, plan))
+    return out
+
+
+def chunk_count(plan: _find.Plan, setting: Any) -> int | str:
+    """The number of chunks for `plan` under amp's `loss_head` setting, or why none."""
+    counts = plan.chunk_counts()
+    if isinstance(setting, int) and not isinstance(setting, bool):
+        if setting < 2:
+            return f"loss_head={setting}"
+        want = setting
+    else:
+        want = math.ceil(plan.logits_bytes / BUDGET)
+        if want < 2:
+            mib = plan.logits_bytes / 2**20
+            return f"too small to pay ({mib:.0f} MiB of float32 logits; chunked above {BUDGET >> 20} MiB)"
+    if not counts:
+        return "no chunk count divides its token axis"
+    return next((k for k in counts if k >= want), counts[-1])
+
+
+def _prepare(span: _rewrites.Span, setting: Any) -> dict[str, Any] | str:
+    """The `loss_head` equation's parameters for a span the policy lets chunk: the plan, the
+    chunk count and the span's equations at chunk shapes; or why it stays as written."""
+    plan = span.found
+    k = chunk_count(plan, setting)
+    if isinstance(k, str):
+        return k
+    return {"plan": plan, "chunks": k, "chunk": _chunk_jaxpr(plan, k)}
+
+
+def _chunk_jaxpr(plan: _find.Plan, k: int) -> Any:
+    """The span's equations at chunk shapes, as a closed jaxpr over the plan's inputs (each
+    chunked one `1/k` of its token axis)."""
+    avals = []
+    for i, var in zip(plan.inputs, plan.in_vars):
+        aval = var.aval
+        a = plan.axes.get(i)
+        if isinstance(a, int):
+            aval = aval.update(shape=_axes._divided(aval.shape, a, k))
+        avals.append(aval)
+
+    def replay(*args: Any) -> list[Any]:
+        env: dict[int, Any] = dict(zip(plan.inputs, args))
+        env.update(plan.consts)
+        for node, rel in zip(plan.nodes, plan.relations):
+            ins = [np.asarray(a.val, dtype=a.aval.dtype) if not isinstance(a, int) else env[a] for a in node.ins]
+            params = _axes.at_chunk(node.name, node.params, rel, k)
+            ctx = (
+                _compat.user_context(node.source.traceback, name_stack=node.source.name_stack) if node.source else None
+            )
+            if ctx is None:
+                outs = _compat.bind(node.prim, ins, params)
+            else:
+                with ctx:
+                    outs = _compat.bind(node.prim, ins, params)
+            for o, val in zip(node.outs, outs):
+                if o >= 0:
+                    env[o] = val
+        return [env[o] for o in plan.outputs]
+
+    open_, consts = _compat.trace_to_jaxpr(replay, avals)
+    return _compat.close_jaxpr(open_, consts)
+
+
+REWRITE = _rewrites.register_rewrite("loss_head", loss_head_p, _spans, LOSS_HEAD, _prepare)
+"""The loss-head rewrite, registered: `autocast._rewrites.rewrite` applies it to each jaxpr
+amp evaluates, before it is planned (never inside `amp_stop`, nor where the policy maps the
+span's scopes to `xla_loss_head`, nor with `amp(loss_head="xla")`)."""
