@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -388,3 +389,133 @@ def test_lent_attention_section_dry_run(tmp_path):
     r = micro["results"]
     assert r["amp-bf16-fused"]["program_hash"] == r["amp-bf16-xla"]["program_hash"] != r["mpx-bf16"]["program_hash"]
     assert "Identical programs: amp-bf16-xla = amp-bf16-fused." in js.with_suffix(".md").read_text()
+
+
+# ----------------------------------------------------------------------------- the loss head (issue 49)
+
+
+def test_vocab_sizes_the_gpt_models_and_is_refused_elsewhere():
+    """``--vocab N`` (``make_task(vocab=)``): the GPT's tied embedding, hence its logits, has N
+    rows and its tokens lie below N; the model's own vocabulary without it; refused for a model
+    without one and below 2."""
+    from benchmarks.models import train_steps as S
+
+    task = S.make_task("gpt2-small", smoke=True, vocab=96)
+    assert task.model.embed.weight.shape == (96, 32) and int(np.max(task.batch[0])) < 96
+    assert task.description.startswith("GPT: vocabulary 96,")
+    assert S.make_task("gpt2-small", smoke=True).model.embed.weight.shape == (64, 32)
+    big = S.make_task("gpt2-small", shapes_only=True, vocab=256_000)  # Gemma's: shapes only, nothing made
+    assert big.shapes_only and big.model.embed.weight.shape == (256_000, 768)
+    assert "vocabulary 256000" in big.description
+    assert S.make_task("gpt2-small", shapes_only=True).model.embed.weight.shape == (50257, 768)
+    assert S.make_task("gpt-1b", vocab=128_256).model.embed.weight.shape == (128_256, 2048)
+    assert S.vocab_tag(128_256) == "-vocab128256" and S.vocab_tag(None) == ""
+    with pytest.raises(ValueError, match="only the GPT models"):
+        S.make_task("vit-base", vocab=1000)
+    with pytest.raises(ValueError, match=">= 2"):
+        S.make_task("gpt2-small", vocab=1)
+    assert gpu._parse(["--models", "gpt2-small", "--vocab", "128256"]).vocab == 128_256
+    for bad in (
+        ["--vocab", "1000"],
+        ["--models", "gpt2-small", "vit-base", "--vocab", "9"],
+        ["--models", "gpt2-small", "--vocab", "1"],
+    ):
+        with pytest.raises(SystemExit):
+            gpu._parse(bad)
+
+
+def test_loss_head_systems_at_another_vocabulary(tmp_path):
+    """``--vocab 96`` with ``autocast-bf16`` (loss head ``"auto"``) and ``autocast-bf16-xla-loss-head``
+    (``loss_head="xla"``): the report and each step's HLO carry the vocabulary in their names and the
+    report in its arguments and description; both amp steps run, their gradients float32's within
+    bfloat16's rounding. The smoke model's head is far too small to chunk ("auto" leaves it as
+    written): the two compile to one program."""
+    report = gpu.main(
+        ["--smoke", "--isolate", "no", "--models", "gpt2-small", "--vocab", "96", "--out-dir", str(tmp_path)]
+        + ["--systems", "fp32", "autocast-bf16", "autocast-bf16-xla-loss-head", "--save-hlo", str(tmp_path / "hlo")]
+    )
+    names = [Path(p).name for p in report["paths"]]
+    assert all(re.fullmatch(r"gpu-cpu-vocab96-\d{4}-\d\d-\d\d-smoke\.(md|json)", n) for n in names), names
+    assert json.loads(Path(report["paths"][1]).read_text())["args"]["vocab"] == 96
+    run_ = report["models"]["gpt2-small"]["runs"]["x1-triton"]
+    assert run_["description"].startswith("GPT: vocabulary 96,")
+    res = run_["results"]
+    for name in ("autocast-bf16", "autocast-bf16-xla-loss-head"):
+        assert "error" not in res[name], res[name]
+        assert 1e-4 < res[name]["grad_err_vs_fp32"] < 0.5
+        assert (tmp_path / "hlo" / f"gpt2-small-vocab96-x1-triton-{name}.hlo.gz").stat().st_size > 0
+    assert abs(res["autocast-bf16"]["loss0"] - res["fp32"]["loss0"]) < 0.02 * abs(res["fp32"]["loss0"])
+    xla = res["autocast-bf16-xla-loss-head"]
+    assert xla["program_hash"] == res["autocast-bf16"]["program_hash"] != res["fp32"]["program_hash"]
+    assert xla["loss0"] == res["autocast-bf16"]["loss0"]
+
+
+def test_largest_batch_stops_after_the_first_batch_every_system_fails(tmp_path, monkeypatch):
+    """``--largest-batch``: the batch multiples in increasing order, the model made once; after
+    the first at which every system failed (an out-of-memory error here, at batch 6 and up)
+    none is tried; the report says per system the largest that ran and the first that failed."""
+    real, batches, made = gpu.measure_in_process, [], []
+    real_task = gpu._task
+    monkeypatch.setattr(gpu, "_task", lambda *a, **k: made.append(a) or real_task(*a, **k))
+
+    def measure(task, names, **kw):
+        batches.append(task.batch[0].shape[0])
+        if batches[-1] >= 6:
+            return {n: {"error": "XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory allocating"} for n in names}
+        return real(task, names, **kw)
+
+    monkeypatch.setattr(gpu, "measure_in_process", measure)
+    report = gpu.main(
+        ["--smoke", "--isolate", "no", "--models", "gpt2-small", "--systems", "autocast-bf16", "--largest-batch"]
+        + ["--batch-mults", "4", "1", "2", "3", "8", "--out-dir", str(tmp_path)]
+    )
+    assert batches == [2, 4, 6] and len(made) == 1  # smoke batch 2: x1, x2, x3; x4 and x8 not tried
+    runs = report["models"]["gpt2-small"]["runs"]
+    assert (
+        list(runs) == ["x1-triton", "x2-triton", "x3-triton"]
+        and "error" not in runs["x2-triton"]["results"]["autocast-bf16"]
+    )
+    note = (
+        "- `--largest-batch`, gpt2-small (batch multiples tried: x1, x2, x3): the largest that ran: autocast-bf16 x2 "
+        "(x3 failed: XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory allocating)."
+    )
+    assert note in report["notes"] and note in Path(report["paths"][0]).read_text()
+    with pytest.raises(SystemExit):
+        gpu._parse(["--target", "h100", "--largest-batch"])
+
+
+def test_target_report_carries_the_vocabulary(tmp_path, monkeypatch):
+    """``--target h100 --vocab N`` (compiles replaced by a stand-in here; the real ones need the
+    jax-cuda plugin): each step compiled from the GPT of that vocabulary, its figures and HLO
+    saved under names with ``-vocab<N>``, the report named so and saying it."""
+    from benchmarks.gpu_modeled import deviceless as D
+
+    compiled = []
+
+    def compile_system(task, name, mode, sharding, mult, hlo_path=None):
+        compiled.append((task.model.embed.weight.shape, name, hlo_path.name))
+        hlo_path.parent.mkdir(parents=True, exist_ok=True)  # as the real one, which writes the HLO there
+        mem = {"argument": 1, "output": 1, "alias": 1, "temp": 2**20, "peak": 2**21, "xla_peak": 0}
+        roof = {"time_s": 1e-3, "hbm_bytes": 2**30, "gemm_flops": 1e12, "kernels": 9, "gemm_kernels": 3}
+        roof |= {"other_time_s": 5e-4, "gemm_time_s": 5e-4}
+        return {"kernels": 9, "gemms": {}, "fp8_gemms": 0, "convolutions": {}, "f32_convolutions": 0} | {
+            "memory": mem,
+            "roofline": roof,
+            "compile_s": 1.0,
+        }
+
+    monkeypatch.setattr(D, "target_sharding", lambda target: None)
+    monkeypatch.setattr(D, "compile_system", compile_system)
+    report = gpu.main(
+        ["--target", "h100", "--smoke", "--models", "gpt2-small", "--modes", "triton", "--batch-mults", "1"]
+        + ["--systems", "autocast-bf16", "autocast-bf16-xla-loss-head", "--vocab", "96", "--out-dir", str(tmp_path)]
+        + ["--save-hlo", str(tmp_path / "hlo")]
+    )
+    assert compiled == [
+        ((96, 32), "autocast-bf16", "gpt2-small-vocab96-x1-triton-autocast-bf16.hlo.gz"),
+        ((96, 32), "autocast-bf16-xla-loss-head", "gpt2-small-vocab96-x1-triton-autocast-bf16-xla-loss-head.hlo.gz"),
+    ]
+    assert (tmp_path / "hlo" / "gpt2-small-vocab96-x1-triton-autocast-bf16.json").exists()
+    assert report["vocab"] == 96 and "vocabulary 96" in report["models"]["gpt2-small"]["description"]
+    (md,) = tmp_path.glob("gpu-target-h100-vocab96-*-smoke.md")
+    assert "- the GPT models' vocabulary: 96 (`--vocab`)" in md.read_text()

@@ -160,3 +160,55 @@ def test_table_shows_medians_spread_ratios_orders_and_identical_programs():
     assert "Compiled in 90 s (4 at a time)." in md
     res["fp32"]["error"] = "XlaRuntimeError: RESOURCE_EXHAUSTED"
     assert "| fp32 | failed: XlaRuntimeError: RESOURCE_EXHAUSTED |" in R.table("t", "d", res, lambda r: "-")
+
+
+def test_lent_loss_head_section_dry_run(tmp_path):
+    """``run_gpu_lent.sh COMMIT loss_head`` (issue 49) at the smoke sizes on CPU: GPT-2 small's
+    step with the loss head chunked (amp's default), as written and MPX's in rotated rounds; then
+    per amp system one process searching the batch multiples for the largest that fits (none
+    fails on a CPU: every multiple measured, the report saying so), the allocator's share of the
+    GPU passed on."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tarfile
+    from pathlib import Path
+
+    from benchmarks.models.train_steps import mpx_available
+
+    root = Path(__file__).resolve().parent.parent
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    out.mkdir()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OUT=str(out), AUTOCAST_LENT_TMP=str(tmp), AUTOCAST_LENT_SMOKE="1")
+    env |= {"AUTOCAST_LENT_DEADLINE_S": "900", "AUTOCAST_LENT_LOSS_HEAD_MULTS": "2 1", "AUTOCAST_LENT_ROUNDS": "2"}
+    env |= {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"}
+    script = root / "benchmarks" / "gpu_measured" / "run_gpu_lent.sh"
+    proc = subprocess.run(
+        ["bash", str(script), "dry", "loss_head"], capture_output=True, text=True, env=env, timeout=900
+    )
+    log = (out / "log.txt").read_text()
+    assert proc.returncode == 0 and "== done" in log, proc.stderr[-3000:] + log[-3000:]
+    assert log.count("--largest-batch --batch-mults 2 1") == 2 and "--stop-rounds-at" in log
+    with tarfile.open(out / "results.tgz") as tar:
+        tar.extractall(tmp_path / "results", filter="data")
+    res_dir = tmp_path / "results" / "res"
+    (js,) = (res_dir / "loss-head-gpt2-small").glob("gpu-cpu-*-smoke.json")
+    report = json.loads(js.read_text())
+    assert report["args"]["rounds"] == 2 and not report["isolated"]
+    res = report["models"]["gpt2-small"]["runs"]["x1-triton"]["results"]
+    systems = ["autocast-bf16", "autocast-bf16-xla-loss-head"] + (["mpx-bf16"] if mpx_available() else [])
+    assert list(res) == systems
+    for name, r in res.items():
+        assert "error" not in r and len(r["rounds_s"]) == 2 and r["program_hash"], (name, r)
+    # the smoke model's head is too small to chunk: amp's default leaves it as written
+    assert res["autocast-bf16"]["program_hash"] == res["autocast-bf16-xla-loss-head"]["program_hash"]
+    for system in ("autocast-bf16-xla-loss-head", "autocast-bf16"):
+        (js,) = (res_dir / f"loss-head-batch-{system}").glob("gpu-cpu-*-smoke.json")
+        report = json.loads(js.read_text())
+        assert report["args"]["largest_batch"] and report["args"]["batch_mults"] == [1, 2]
+        runs = report["models"]["gpt2-small"]["runs"]
+        assert list(runs) == ["x1-triton", "x2-triton"] and all(list(r["results"]) == [system] for r in runs.values())
+        assert all("error" not in r["results"][system] for r in runs.values())
+        note = f"the largest that ran: {system} x2 (no failure)."
+        assert any(note in n for n in report["notes"]) and note in js.with_suffix(".md").read_text()

@@ -14,6 +14,8 @@ the system uses it) of every system is compiled and measured:
   transformer (12 blocks, width 768, 12 heads, 1024 tokens, vocabulary 50257, tied
   embeddings); ``--models gpt-1b``: a 1B-parameter GPT (16 blocks, width 2048, 2048 tokens);
   ``--models bert-base``: BERT-base (post-LN, 512 tokens with a key-padding mask, MLM loss);
+  ``--vocab N``: the GPT models with a vocabulary of N (Llama 3's 128,256, Gemma's 256,000; the
+  default, 50,257, is GPT-2's), recorded in the report and its file name (``-vocab<N>``);
 - numbers: median step time (each step waited for, calls interleaved across systems), the
   time per step of steps dispatched back to back (only the last waited for: the host's
   work per call overlaps the device's, as in a training loop that does not read every
@@ -79,13 +81,16 @@ from benchmarks.gpu_modeled.deviceless import MODES, X1_ONLY
 from benchmarks.models.train_steps import (
     DEFAULT_MODELS,
     EXTRA_SYSTEMS,
+    GPT_MODELS,
     MODELS,
     SMOKE_MODELS,
     SYSTEMS,
     TARGET_MODELS,
     Task,
     build_system,
+    make_task,
     mpx_available,
+    vocab_tag,
 )
 
 __all__ = ["DEFAULT_MODELS", "MODELS", "SMOKE_MODELS", "SYSTEMS", "TARGET_MODELS", "build_system", "main"]
@@ -215,17 +220,20 @@ def measure_in_process(
     mode: str = "triton",
     hlo_prefix: Path | None = None,
     kernel_times: bool = False,
+    copy: bool | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every system of ``names`` on ``task`` in this process; step times interleaved. Each
     step's optimised HLO goes to ``<hlo_prefix>-<system>.hlo.gz`` if a prefix is given, and
     with ``kernel_times`` its GPU time per kernel, profiled after the timing, to
-    ``<hlo_prefix>-<system>.kernels.json`` (:mod:`benchmarks.gpu_measured.kernel_times`)."""
+    ``<hlo_prefix>-<system>.kernels.json`` (:mod:`benchmarks.gpu_measured.kernel_times`).
+    ``copy``: each step donates a copy of the task's parameters (default: where several
+    systems share them), else the task's own."""
     results: dict[str, dict[str, Any]] = {}
     runners = {}
     for name in names:
         try:
             hlo_path = hlo_prefix.with_name(f"{hlo_prefix.name}-{name}.hlo.gz") if hlo_prefix else None
-            system, run, info = _prepare(task, name, mode, hlo_path, copy=len(names) > 1)
+            system, run, info = _prepare(task, name, mode, hlo_path, copy=len(names) > 1 if copy is None else copy)
         except Exception as e:  # noqa: BLE001 - a failing system is a result
             results[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
             continue
@@ -258,14 +266,15 @@ def measure_in_process(
 
 
 def _step_prefix(args: argparse.Namespace, model: str, mult: int | str, mode: str) -> Path | None:
-    """``DIR/<model>-x<mult>-<mode>``: where a step's files go under ``--save-hlo DIR`` (the
-    ``--target`` run's names), None without it."""
-    return Path(args.save_hlo) / f"{model}-x{mult}-{mode}" if args.save_hlo else None
+    """``DIR/<model>[-vocab<N>]-x<mult>-<mode>``: where a step's files go under ``--save-hlo DIR``
+    (the ``--target`` run's names), None without it."""
+    return Path(args.save_hlo) / f"{model}{vocab_tag(args.vocab)}-x{mult}-{mode}" if args.save_hlo else None
 
 
-def _task(model: str, smoke: bool, mult: int) -> Task:
-    """The model's task with real arrays, its batch ``mult`` times as large."""
-    task = (SMOKE_MODELS if smoke else MODELS)[model]().materialise()
+def _task(model: str, smoke: bool, mult: int, vocab: int | None = None) -> Task:
+    """The model's task with real arrays, its batch ``mult`` times as large (a GPT's
+    vocabulary ``vocab``, None: its own)."""
+    task = make_task(model, smoke=smoke, vocab=vocab).materialise()
     return dataclasses.replace(task, batch=_tiled(task.batch, mult)) if mult != 1 else task
 
 
@@ -273,7 +282,7 @@ def _child(args: argparse.Namespace) -> None:
     """One system in a fresh process: its peak device memory is its own."""
     model, name, mult, mode = args._child
     t0 = time.perf_counter()
-    task = _task(model, args.smoke, int(mult))
+    task = _task(model, args.smoke, int(mult), args.vocab)
     task_s = time.perf_counter() - t0
     res = measure_in_process(
         task,
@@ -319,6 +328,7 @@ def measure_isolated(
         cmd += ["--warmup", str(args.warmup), "--repeats", str(args.repeats)] + (["--smoke"] if args.smoke else [])
         cmd += ["--save-hlo", args.save_hlo] if args.save_hlo else []
         cmd += ["--kernel-times"] if args.kernel_times else []
+        cmd += ["--vocab", str(args.vocab)] if args.vocab else []
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
         env.setdefault("JAX_COMPILATION_CACHE_DIR", str(tmp / "jax-cache"))
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
@@ -504,6 +514,20 @@ def _parse(argv):
     ap.add_argument("--round-steps", type=int, default=5, help="with --rounds: steps back to back per turn")
     ap.add_argument("--compile-threads", type=int, default=1, help="with --rounds: programs compiled at once")
     ap.add_argument("--stop-rounds-at", type=float, default=None, help="with --rounds: no round after (epoch s)")
+    ap.add_argument(
+        "--largest-batch",
+        action="store_true",
+        help="the --batch-mults in increasing order, none after one at which every system failed (out of "
+        "memory): the last batch measured is the largest that fits",
+    )
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the GPT models' vocabulary (default: their own, 50257; Llama 3: 128256, Gemma: 256000); "
+        "in the report and its file name",
+    )
     ap.add_argument("--_child", nargs=4, metavar=("MODEL", "SYSTEM", "MULT", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.models = args.models or list(TARGET_MODELS if args.target else DEFAULT_MODELS)
@@ -512,6 +536,15 @@ def _parse(argv):
         args.modes = list(MODES) if args.target or args._child or jax.default_backend() == "gpu" else ["triton"]
     args.repeats = args.repeats if args.repeats is not None else (3 if args.smoke else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
+    if args.vocab is not None:
+        if args.vocab < 2:
+            ap.error(f"--vocab: got {args.vocab}; must be an integer >= 2")
+        if other := [m for m in args.models if m not in GPT_MODELS]:
+            ap.error(f"--vocab: only the GPT models ({', '.join(GPT_MODELS)}) have a vocabulary; got --models {other}")
+    if args.largest_batch:
+        if args.target:
+            ap.error("--largest-batch: steps that run (not with --target, which only compiles)")
+        args.batch_mults = sorted(set(args.batch_mults))
     if args.kernel_times and not args.save_hlo:
         ap.error("--kernel-times: needs --save-hlo DIR (the kernel times are saved beside each step's HLO)")
     if any(m < 1 for m in args.batch_mults):
@@ -563,17 +596,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower() or backend
-    stem = out_dir / f"gpu-{slug}-{date}{'-smoke' if args.smoke else ''}"
+    stem = out_dir / f"gpu-{slug}{vocab_tag(args.vocab)}-{date}{'-smoke' if args.smoke else ''}"
     print(f"GPU benchmark on {backend} ({device}), jax {jax.__version__}; models {args.models}, systems {names}")
     report: dict[str, Any] = {"command": cmd, "meta": meta, "args": vars(args), "smoke": args.smoke, "models": {}}
     report["isolated"] = isolate
     sections = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
+            made: list[Task] = []  # the model's task, made once for all its batches (measured in this process)
+
+            def task_at(mult: int, model=model, made=made) -> Task:
+                made[:] = made or [_task(model, args.smoke, 1, args.vocab)]
+                return dataclasses.replace(made[0], batch=_tiled(made[0].batch, mult))
+
             for mult in [1] if model in X1_ONLY else args.batch_mults:
+                if args.largest_batch and _failed_every_system(report["models"].get(model, {})):
+                    break  # a smaller batch failed for every system
                 for mode in args.modes:
                     title = f"{model}, x{mult}, {mode} GEMMs"
-                    desc = (SMOKE_MODELS if args.smoke else MODELS)[model](shapes_only=True).description
+                    desc = make_task(model, smoke=args.smoke, shapes_only=True, vocab=args.vocab).description
                     desc = desc.replace(" (shapes only)", "")
                     desc = re.sub(r"batch (\d+)", lambda m, k=mult: f"batch {int(m[1]) * k}", desc)
                     entry = report["models"].setdefault(model, {"description": desc, "runs": {}})
@@ -595,7 +636,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
                     if args.rounds is not None:
                         res = R.measure_resident(
-                            _task(model, args.smoke, mult),
+                            _task(model, args.smoke, mult, args.vocab),
                             names,
                             rounds=args.rounds,
                             steps=args.round_steps,
@@ -610,13 +651,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         res = measure_isolated(args, model, names, mult, mode, Path(tmp), record)
                     else:
                         res = measure_in_process(
-                            _task(model, args.smoke, mult),
+                            task_at(mult),
                             names,
                             warmup=args.warmup,
                             repeats=args.repeats,
                             mode=mode,
                             hlo_prefix=_step_prefix(args, model, mult, mode),
                             kernel_times=args.kernel_times,
+                            copy=True,  # the model serves every batch
                         )
                     ref = res.get("fp32", {}).get("grads0")
                     for r in res.values():
@@ -624,9 +666,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         if g is not None and ref is not None:
                             r["grad_err_vs_fp32"] = _rel_err(g, ref)
                     record(res, final=True)
+            if args.largest_batch and model in report["models"]:
+                notes.append(_largest_batch_note(model, report["models"][model], args.batch_mults))
+                _write(stem, report, sections)
     print(f"wrote {stem}.md and .json ({report['wall_time_s']:.0f} s)")
     report["paths"] = [str(stem.with_suffix(".md")), str(stem.with_suffix(".json"))]
     return report
+
+
+def _failed_every_system(entry: dict[str, Any]) -> bool:
+    """A model's report ``entry`` holds a batch (and GEMM mode) at which every system failed
+    (out of memory, most often): ``--largest-batch`` tries no larger one."""
+    return any(
+        run_["results"] and all("error" in r for r in run_["results"].values())
+        for run_ in entry.get("runs", {}).values()
+    )
+
+
+def _largest_batch_note(model: str, entry: dict[str, Any], mults: list[int]) -> str:
+    """``--largest-batch``'s finding for ``model``: per system, the largest batch multiple at which
+    its step ran (every GEMM mode), and the first at which it failed, with the error."""
+    ran: dict[str, list[int]] = {}
+    failed: dict[str, tuple[int, str]] = {}
+    for key, run_ in entry["runs"].items():
+        mult = int(key.split("-", 1)[0][1:])
+        for name, r in run_["results"].items():
+            if "error" in r:
+                failed.setdefault(name, (mult, r["error"]))
+            elif name not in failed:
+                ran.setdefault(name, []).append(mult)
+    cells = []
+    for name in dict.fromkeys([*ran, *failed]):
+        ok = f"x{max(ran[name])}" if name in ran else "none"
+        cells.append(
+            f"{name} {ok}"
+            + (f" (x{failed[name][0]} failed: {failed[name][1][:120]})" if name in failed else " (no failure)")
+        )
+    tried = [m for m in mults if any(k.startswith(f"x{m}-") for k in entry["runs"])]
+    return (
+        f"- `--largest-batch`, {model} (batch multiples tried: {', '.join(f'x{m}' for m in tried)}): the largest "
+        f"that ran: {'; '.join(cells)}."
+    )
 
 
 def _write(stem: Path, report: dict[str, Any], sections: list[str]) -> None:
@@ -687,7 +767,7 @@ def reanalyse(json_path: Path, hlo_dir: Path, device_kind: str | None = None) ->
     for model, entry in report["models"].items():
         for key, run_ in entry["runs"].items():
             for name, res in run_["results"].items():
-                path = hlo_dir / f"{model}-{key}-{name}.hlo.gz"
+                path = hlo_dir / f"{model}{vocab_tag(report['args'].get('vocab'))}-{key}-{name}.hlo.gz"
                 if "error" not in res and path.exists():
                     res["roofline"] = hlo_model.roofline(gzip.decompress(path.read_bytes()).decode(), chip)
             mult, mode = key.split("-", 1)

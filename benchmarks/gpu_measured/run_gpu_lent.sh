@@ -2,10 +2,10 @@
 # The measured benchmark on a lent GPU machine (docs/gpu-benchmark.md, "Measured on a lent GPU"):
 # its image has JAX with CUDA, Equinox and optax but no network and no install of this package.
 #   bash benchmarks/gpu_measured/run_gpu_lent.sh COMMIT [SECTION ...]   # from the repository root; results under $OUT
-# COMMIT names the code in the results (the copy may lack its .git); SECTIONs (1-5 and
-# attention, below; 1-5 by default) pick the runs, so that a lease can be split over calls.
+# COMMIT names the code in the results (the copy may lack its .git); SECTIONs (1-5, attention
+# and loss_head, below; 1-5 by default) pick the runs, so that a lease can be split over calls.
 # AUTOCAST_LENT_SMOKE=1: the same runs at the smoke sizes (a dry run on any machine, CPU too;
-# tests/test_gpu_lent_rounds.py runs `attention` so). MPX, where it is not installed there,
+# tests/test_gpu_benchmark_smoke.py runs `attention` so, tests/test_gpu_lent_rounds.py `loss_head`). MPX, where it is not installed there,
 # travels as a copy of its package folder in .whl/site/mpx (PYTHONPATH; git ignores .whl/site,
 # `site/` in .gitignore: the device tool must carry it). The attention section compiles each item's systems
 # first, all in one process, then times them in rotated rounds (see `attention` below).
@@ -107,7 +107,37 @@ section() {
       --isolate no --rounds "${AUTOCAST_LENT_ROUNDS:-5}" --round-steps "${AUTOCAST_LENT_ROUND_STEPS:-5}" \
       --compile-threads "${AUTOCAST_LENT_COMPILE_THREADS:-4}" ${stop_rounds[@]+"${stop_rounds[@]}"} \
       --out-dir $R/attention-$m ;;
-  *) echo "unknown section $1 (1-5, attention, attention-micro, attention-gpt2, attention-bert, attention-vit)" | tee -a "$log" ;;
+  # loss_head (issue 49): amp's loss head chunked over tokens (autocast-bf16, loss_head="auto")
+  # against the head and its loss as written (autocast-bf16-xla-loss-head) and MPX, GPT-2 small.
+  # loss-head-gpt2: the train step at batch x1 in rotated rounds, as attention-gpt2 (~90 s cold).
+  # loss-head-batch: the largest batch that fits, per amp system: one process each (the model
+  # made once, each batch compiled and run in it: --isolate no --largest-batch), the batch
+  # multiples AUTOCAST_LENT_LOSS_HEAD_MULTS in increasing order until the first that fails, the
+  # allocator given AUTOCAST_LENT_MEM_FRACTION (.95) of the GPU instead of JAX's .75. Expected on
+  # an H200 (143 GiB; deviceless H100 figures: 1.4 GiB of state, ~3.2 GiB of temp a batch x1 as
+  # written, ~2.1 chunked): as written up to ~x40, chunked ~x60, so the default multiples
+  # (32 48 64 96) stop after 2-4 runs of ~20 s compile and ~1-2 s a step: ~4 min for both
+  # (XLA:GPU may rematerialise a step to fit, so a batch can fit that the figures say cannot).
+  loss_head) for t in loss-head-gpt2 loss-head-batch; do section $t; done ;;
+  loss-head-gpt2)
+    autotune_cache
+    late "$1" && return
+    run --models gpt2-small --systems autocast-bf16 autocast-bf16-xla-loss-head mpx-bf16 --modes triton \
+      --isolate no --rounds "${AUTOCAST_LENT_ROUNDS:-5}" --round-steps "${AUTOCAST_LENT_ROUND_STEPS:-5}" \
+      --compile-threads "${AUTOCAST_LENT_COMPILE_THREADS:-4}" ${stop_rounds[@]+"${stop_rounds[@]}"} \
+      --out-dir $R/loss-head-gpt2-small ;;
+  loss-head-batch)
+    autotune_cache
+    local s mults
+    read -ra mults <<< "${AUTOCAST_LENT_LOSS_HEAD_MULTS:-32 48 64 96}"
+    for s in autocast-bf16-xla-loss-head autocast-bf16; do
+      late "$1 $s" && continue
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${AUTOCAST_LENT_MEM_FRACTION:-.95} \
+        run --models gpt2-small --systems $s --modes triton --isolate no --largest-batch \
+        --batch-mults "${mults[@]}" --warmup 1 --repeats 2 --out-dir $R/loss-head-batch-$s
+    done ;;
+  *) echo "unknown section $1 (1-5, attention, attention-micro, attention-gpt2, attention-bert, attention-vit," \
+    "loss_head, loss-head-gpt2, loss-head-batch)" | tee -a "$log" ;;
   esac
 }
 shift

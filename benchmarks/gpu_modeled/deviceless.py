@@ -308,8 +308,9 @@ def render(report: dict[str, Any]) -> str:
     return (
         f"## Train steps compiled for {report['target']} without a GPU (deviceless XLA:GPU)\n\n"
         f"Command: `{report['command']}`\n\n{C.metadata_markdown(report['meta'])}"
-        f"- wall time: {report['wall_time_s'] / 60:.1f} min\n\n"
-        "**Compile-time facts.** Nothing ran: no timings. Without a device XLA does not autotune, "
+        f"- wall time: {report['wall_time_s'] / 60:.1f} min\n"
+        + (f"- the GPT models' vocabulary: {report['vocab']:,} (`--vocab`)\n" if report.get("vocab") else "")
+        + "\n**Compile-time facts.** Nothing ran: no timings. Without a device XLA does not autotune, "
         "so GEMM configurations are its defaults; compare systems within one mode (Triton: XLA's default; "
         "cuBLAS: `xla_gpu_enable_triton_gemm=False`), never across modes. Kernels: the entry computation's "
         "instructions that launch work (fusions, custom calls, copies). Memory: XLA:GPU's buffer assignment "
@@ -329,18 +330,19 @@ def run(args: Any, cmd: str, names: list[str], notes: list[str]) -> dict[str, An
     t0 = time.perf_counter()
     sharding = target_sharding(args.target)
     meta = C.metadata()
-    factories = S.SMOKE_MODELS if args.smoke else S.MODELS
-    report: dict[str, Any] = {"command": cmd, "meta": meta, "target": args.target, "models": {}}
+    vocab = getattr(args, "vocab", None)  # a GPT's vocabulary (--vocab; None: its own)
+    report: dict[str, Any] = {"command": cmd, "meta": meta, "target": args.target, "vocab": vocab, "models": {}}
     save = Path(args.save_hlo) if getattr(args, "save_hlo", None) else None
     loaded: dict[str, int] = {}
     for model in args.models:
-        task = factories[model](shapes_only=True)  # compiled from shapes: no parameters made
+        # compiled from shapes: no parameters made
+        task = S.make_task(model, smoke=args.smoke, shapes_only=True, vocab=vocab)
         report["models"][model] = {"description": task.description, "runs": {}}
         for mult in [1] if model in X1_ONLY else args.batch_mults:
             for mode in getattr(args, "modes", None) or MODES:
                 res = {}
                 for name in names:
-                    key = f"{model}-x{mult}-{mode}-{name}"
+                    key = f"{model}{S.vocab_tag(vocab)}-x{mult}-{mode}-{name}"
                     figures = save / f"{key}.json" if save else None
                     if figures is not None and getattr(args, "resume", False) and figures.exists():
                         res[name] = json.loads(figures.read_text())
@@ -379,7 +381,8 @@ def run(args: Any, cmd: str, names: list[str], notes: list[str]) -> dict[str, An
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     out_dir = Path(args.out_dir) if args.out_dir else C.results_dir("gpu_modeled")
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"gpu-target-{re.sub(r'[^a-z0-9]+', '-', args.target)}-{date}{'-smoke' if args.smoke else ''}"
+    target = re.sub(r"[^a-z0-9]+", "-", args.target) + S.vocab_tag(vocab)
+    stem = out_dir / f"gpu-target-{target}-{date}{'-smoke' if args.smoke else ''}"
     report["notes"] = notes
     C.write_json(stem.with_suffix(".json"), report)
     stem.with_suffix(".md").write_text(render(report))
@@ -396,7 +399,7 @@ def reanalyse(json_path: Path, hlo_dir: Path) -> None:
     for model, entry in report["models"].items():
         for key, run_ in entry["runs"].items():
             for name, res in run_["results"].items():
-                path = hlo_dir / f"{model}-{key.split('-', 1)[0]}-{key.split('-', 1)[1]}-{name}.hlo.gz"
+                path = hlo_dir / f"{model}{S.vocab_tag(report.get('vocab'))}-{key}-{name}.hlo.gz"
                 if "error" not in res:
                     res["roofline"] = hlo_model.roofline(gzip.decompress(path.read_bytes()).decode())
     C.write_json(json_path, report)

@@ -18,7 +18,12 @@ GPU target (:mod:`benchmarks.gpu_modeled.deviceless`); nothing here measures or 
   says it pays; the smoke models, all too small for that, every matmul); ``autocast-bf16-sr``: amp bf16 with
   the parameters and AdamW's moments stored in bfloat16, updated with stochastic rounding
   (``autocast.optim.to_half_params``, ``autocast.optim.half_state``; docs/memory.md); ``mpx-bf16``, the
-  MPX recipe; on request (:data:`EXTRA_SYSTEMS`), ``autocast-bf16-noremat``.
+  MPX recipe; on request (:data:`EXTRA_SYSTEMS`), ``autocast-bf16-noremat`` and
+  ``autocast-bf16-xla-loss-head`` (``loss_head="xla"``: the language-model head and its loss as
+  written, where ``autocast-bf16`` chunks them over tokens: issue 49);
+- the GPT models' vocabulary (:data:`GPT_MODELS`, :func:`make_task`'s ``vocab``): their own 50,257
+  by default, another on request (``--vocab``: Llama 3's 128,256, Gemma's 256,000), the tied
+  embedding and the logits sized by it.
 """
 
 from __future__ import annotations
@@ -53,10 +58,11 @@ SYSTEMS = (
     "autocast-bf16-sr",
     "mpx-bf16",
 )
-EXTRA_SYSTEMS = ("autocast-bf16-noremat",)
+EXTRA_SYSTEMS = ("autocast-bf16-noremat", "autocast-bf16-xla-loss-head")
 """Built on request only (``--systems``): amp bf16 with ``remat_float32=False`` (no float32
 island recomputed in the backward pass: what the recomputation costs in time and saves in
-memory)."""
+memory), and amp bf16 with ``loss_head="xla"`` (the tokens x vocabulary matmul and its loss
+as written: the "before" of the loss-head rewrite, ``autocast-bf16`` its "after")."""
 
 # ----------------------------------------------------------------------------- tasks
 
@@ -147,15 +153,24 @@ def _bert_task(name: str, cfg: BERTConfig, batch: int, *, shapes_only: bool = Fa
     return Task(name, desc, model, bert.synthetic_batch(cfg, batch, key=jax.random.key(1)), _bert_loss)
 
 
+def _vocab(cfg: GPTConfig, vocab: int | None) -> GPTConfig:
+    """``cfg`` with another vocabulary (None: its own)."""
+    return cfg if vocab is None else dataclasses.replace(cfg, vocab=vocab)
+
+
 # model name -> factory(shapes_only=...): the task, its arrays made or shapes only (the 1B GPT:
-# always shapes only; Task.materialise makes them)
+# always shapes only; Task.materialise makes them); the GPT models' also take vocab=
 MODELS: dict[str, Callable[..., Task]] = {
     "vit-base": lambda shapes_only=False: _vit_task("vit-base", SHAPES["base"], 64, shapes_only=shapes_only),
     "vit-desktop": lambda shapes_only=False: _vit_task("vit-desktop", SHAPES["desktop"], 256, shapes_only=shapes_only),
-    "gpt2-small": lambda shapes_only=False: _gpt_task("gpt2-small", GPT2_SMALL, 8, shapes_only=shapes_only),
-    "gpt-1b": lambda shapes_only=True: _gpt_task("gpt-1b", GPT_1B, 8, shapes_only=True),
+    "gpt2-small": lambda shapes_only=False, vocab=None: _gpt_task(
+        "gpt2-small", _vocab(GPT2_SMALL, vocab), 8, shapes_only=shapes_only
+    ),
+    "gpt-1b": lambda shapes_only=True, vocab=None: _gpt_task("gpt-1b", _vocab(GPT_1B, vocab), 8, shapes_only=True),
     "bert-base": lambda shapes_only=False: _bert_task("bert-base", BERT_BASE, 16, shapes_only=shapes_only),
 }
+GPT_MODELS = ("gpt2-small", "gpt-1b")
+"""The models whose vocabulary :func:`make_task` (``--vocab``) sets."""
 # what a run without --models covers: the measured benchmark leaves out the 1B GPT unless asked
 # (--models gpt-1b makes its parameters; its float32 step needs 114 GiB before XLA:GPU's
 # rematerialisation recomputes it down to 71 GiB); the deviceless --target run compiles it from shapes
@@ -182,11 +197,11 @@ SMOKE_MODELS: dict[str, Callable[..., Task]] = {
         2,
         shapes_only=shapes_only,
     ),
-    "gpt2-small": lambda shapes_only=False: _gpt_task(
-        "gpt2-small", GPTConfig(vocab=64, seq=16, width=32, depth=1, heads=2), 2, shapes_only=shapes_only
+    "gpt2-small": lambda shapes_only=False, vocab=None: _gpt_task(
+        "gpt2-small", GPTConfig(vocab=vocab or 64, seq=16, width=32, depth=1, heads=2), 2, shapes_only=shapes_only
     ),
-    "gpt-1b": lambda shapes_only=True: _gpt_task(
-        "gpt-1b", GPTConfig(vocab=64, seq=16, width=32, depth=2, heads=2), 2, shapes_only=True
+    "gpt-1b": lambda shapes_only=True, vocab=None: _gpt_task(
+        "gpt-1b", GPTConfig(vocab=vocab or 64, seq=16, width=32, depth=2, heads=2), 2, shapes_only=True
     ),
     "bert-base": lambda shapes_only=False: _bert_task(
         "bert-base",
@@ -196,6 +211,41 @@ SMOKE_MODELS: dict[str, Callable[..., Task]] = {
     ),
 }
 SMOKE_MODELS = {name: _every_matmul_in_fp8(factory) for name, factory in SMOKE_MODELS.items()}
+
+
+def make_task(model: str, *, smoke: bool = False, shapes_only: bool | None = None, vocab: int | None = None) -> Task:
+    """The task of ``model`` (:data:`MODELS`, or :data:`SMOKE_MODELS` with ``smoke``).
+
+    Args:
+        model: a key of :data:`MODELS`.
+        smoke: the tiny sizes of the smoke runs.
+        shapes_only: the model's arrays and batch as shapes only (None: the factory's default).
+        vocab: the vocabulary of a GPT model (:data:`GPT_MODELS`); None: the model's own.
+
+    Returns:
+        The task.
+
+    Raises:
+        ValueError: ``vocab`` given for a model without a vocabulary, or below 2.
+
+    Example::
+
+        task = make_task("gpt2-small", shapes_only=True, vocab=128_256)  # Llama 3's vocabulary
+    """
+    kw: dict[str, Any] = {} if shapes_only is None else {"shapes_only": shapes_only}
+    if vocab is not None:
+        if model not in GPT_MODELS:
+            raise ValueError(f"vocab: only the GPT models {list(GPT_MODELS)} have one; got model {model!r}")
+        if vocab < 2:
+            raise ValueError(f"vocab: got {vocab}; must be an integer >= 2")
+        kw["vocab"] = vocab
+    return (SMOKE_MODELS if smoke else MODELS)[model](**kw)
+
+
+def vocab_tag(vocab: int | None) -> str:
+    """``-vocab<N>``: what the reports' and saved steps' file names carry of ``--vocab`` ('' without it)."""
+    return "" if vocab is None else f"-vocab{vocab}"
+
 
 # ----------------------------------------------------------------------------- systems
 
@@ -274,8 +324,14 @@ def build_system(name: str, task: Task, static: Any, opt: Any) -> System:
             policy = autocast.extend_policy({jax.lax.dot_general_p: rule}, base=autocast.load_policy("fp8"))
         remat = False if name == "autocast-bf16-noremat" else "auto"
         attention = "xla" if name == "autocast-bf16-xla-attention" else "auto"
+        loss_head = "xla" if name == "autocast-bf16-xla-loss-head" else "auto"
         amp_loss = autocast.amp(
-            task.loss, compute_dtype=dtype, amp_policy=policy, remat_float32=remat, attention=attention
+            task.loss,
+            compute_dtype=dtype,
+            amp_policy=policy,
+            remat_float32=remat,
+            attention=attention,
+            loss_head=loss_head,
         )
         gfn = autocast.dynamic_scale_value_and_grad(amp_loss)
 
