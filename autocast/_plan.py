@@ -443,7 +443,7 @@ def _narrowed(ctx: Any, jaxpr: Any, steps: list, scopes: tuple[str, ...], out_na
             flags = [True] * len(eqn.invars)
         elif step.role() == "input" and eqn.primitive.name in COMMUTES_WITH_ROUNDING:
             flags = [outs_ok] * len(eqn.invars)
-        elif step.kind == HIGHER and (body := _registry.narrow_body(eqn)) is not None:
+        elif (body := _registry.narrow_body(eqn)) is not None:  # a call, or a rewrite's span
             out_n = [isinstance(v, _compat.DropVar) or ok.get(v, False) for v in eqn.outvars]
             eqn_scopes = scopes + _compat.scope_names(eqn.source_info.name_stack)
             flags = narrow_inputs(ctx, body, eqn_scopes, out_n)

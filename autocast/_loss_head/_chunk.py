@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _compat, _dtypes, _rewrites, _rules
+from .. import _compat, _dtypes, _registry, _rewrites, _rules
 from . import _axes, _find
 
 BUDGET = 512 << 20
@@ -60,6 +60,9 @@ def _abstract_eval(*avals: Any, plan: Any, chunks: int, chunk: Any, body: Any, s
 loss_head_p.def_impl(_impl)
 loss_head_p.def_abstract_eval(_abstract_eval)
 _compat.register_lowering(loss_head_p, _compat.lower_fun(_impl, multiple_results=True))
+# the planner looks through the span as written: the hidden states, read by the head's
+# matmul in the compute dtype, are rounded where they are made, as without the rewrite
+_registry.NARROW_BODIES[loss_head_p] = "body"
 
 
 class _Chunked(_rules.Rule):

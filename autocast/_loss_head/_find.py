@@ -43,9 +43,9 @@ from .. import _compat, _dtypes
 from .._attention._graph import Graph, Lit, Node
 from . import _axes, _vocab
 
-AMPLIFY = 4
+AMPLIFY = 8
 """How many times the hidden states' elements the head's result must have: the vocabulary at
-least four times the width (GPT-2 small: 50,257 / 768 = 65; a classifier over 10 classes is
+least eight times the width, as PyTorch Inductor's auto_chunker asks (GPT-2 small: 50,257 / 768 = 65; an MLP's 4x up-projection or a classifier over 10 classes is
 not a head worth chunking)."""
 
 
