@@ -74,12 +74,27 @@ def _agree(slots: Sequence[Slot], known: Mapping[Slot, int]) -> int | None:
 
 
 def _elementwise(shapes_in, shapes_out, known) -> dict[Slot, Axis]:
+    """Operands of one shape, scalars, or (JAX >= 0.10's implicit broadcasting) operands of
+    size 1 along an axis: those are whole along it."""
     slots = [("in", i) for i, s in enumerate(shapes_in) if s] + [("out", j) for j, s in enumerate(shapes_out) if s]
     axis = _agree(slots, known)
     out: dict[Slot, Axis] = {("in", i): None for i in range(len(shapes_in))}
     out.update({("out", j): None for j in range(len(shapes_out))})
-    out.update({s: axis for s in slots})
+    if axis is not None:
+        size = max(_shape_of(s, shapes_in, shapes_out)[axis] for s in slots)
+        for s in slots:
+            n = _shape_of(s, shapes_in, shapes_out)[axis]
+            if n == size:
+                out[s] = axis
+            elif n != 1 or s in known:
+                raise NotLocal("an operand broadcasts along the tokens")
     return out
+
+
+def _shape_of(
+    slot: Slot, shapes_in: Sequence[tuple[int, ...]], shapes_out: Sequence[tuple[int, ...]]
+) -> tuple[int, ...]:
+    return shapes_in[slot[1]] if slot[0] == "in" else shapes_out[slot[1]]
 
 
 def _one_to_one(forward: Mapping[int, int], known, n_in: int = 1) -> dict[Slot, Axis]:

@@ -215,6 +215,10 @@ class _Build:
                 raise _axes.NotLocal("a value is read chunked along two different axes")
             return
         p = self.g.producer.get(a)
+        if p is not None and p not in self.members and p not in self.no_pull and self._broadcast(p, a, axis):
+            self.add(p, {("out", j): axis for j, o in enumerate(self.g.nodes[p].outs) if o == a})
+            self.pulled.add(p)
+            return
         if p is not None and p not in self.members and p not in self.no_pull and self._pullable(p):
             outs = self.g.nodes[p].outs
             try:
@@ -226,6 +230,20 @@ class _Build:
                 self.pulled.add(p)
                 return
         self.axes[a] = axis
+
+    def _broadcast(self, n: int, a: int, axis: int) -> bool:
+        """Whether node `n` makes the token axis of `a` from whole operands (a bias broadcast
+        to `[tokens, vocab]`, an `iota`): made per chunk at chunk size, never sliced whole."""
+        node = self.g.nodes[n]
+        if node.opaque or node.name in _vocab.MATMULS or len(node.outs) != 1:
+            return False
+        try:
+            rel = _axes.relate(
+                node.name, node.params, [self.g.aval(b) for b in node.ins], [self.g.avals[a]], {("out", 0): axis}
+            )
+        except _axes.NotLocal:
+            return False
+        return all(not isinstance(rel.get(("in", i)), int) for i in range(len(node.ins)))
 
     def _pullable(self, n: int) -> bool:
         node = self.g.nodes[n]
