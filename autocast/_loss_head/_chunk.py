@@ -198,7 +198,11 @@ def _spans(jaxpr: Any, consts: Sequence[Any], compute_dtype: Any) -> list[_rewri
     if compute_dtype not in _dtypes.HALF:
         return []
     out: list[_rewrites.Span | _rewrites.Kept] = []
-    for found in _find.find(jaxpr, consts):
+    try:
+        heads = _find.find(jaxpr, consts)
+    except Exception as e:  # a jaxpr the finder does not know: never fail amp's trace
+        return [_rewrites.Kept("a jaxpr", f"as written: not recognised ({type(e).__name__}: {e})")]
+    for found in heads:
         if isinstance(found, _find.Refused):
             out.append(_rewrites.Kept(found.what, f"as written: {found.why}"))
             continue
