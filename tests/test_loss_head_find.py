@@ -239,8 +239,9 @@ def test_elementwise_operands_on_two_token_axes_are_refused():
 
 # --- near misses, end to end ----------------------------------------------------------------
 
-N, D, V = 16, 8, 64
-"""16 tokens, width 8, vocabulary 64: a head (64 >= 4 x 8) whose chunk count 4 divides N."""
+N, D, V = 16, 4, 64
+"""16 tokens, width 4, vocabulary 64: a head (the vocabulary 16 times the width, over
+`_find.AMPLIFY`) whose chunk count 4 divides N."""
 
 
 def _data():
@@ -411,11 +412,11 @@ def test_labels_laid_out_otherwise_than_the_logits():
     """Time-major logits [T, B, V] and batch-major flat labels [B*T] (reshaped, transposed):
     chunked along T, the labels' reshape cannot be computed per chunk from the whole labels;
     amp must slice its result (or leave the head as written), not fail to compile."""
-    t, b, d = 4, 2, 4  # 8 tokens x 64 > the weight's 4 x 64: a head
+    t, b = 4, 2
     k = jax.random.split(jax.random.key(1), 3)
     args = (
-        jax.random.normal(k[0], (t, b, d)),
-        jax.random.normal(k[1], (V, d)),
+        jax.random.normal(k[0], (t, b, D)),
+        jax.random.normal(k[1], (V, D)),
         jax.random.randint(k[2], (b * t,), 0, V),
     )
     assert _hows(lambda x, w, y: _ce(x @ w.T, y.reshape(b, t).T).mean(), args, loss_head=2)
@@ -449,6 +450,14 @@ def _penalty_before(x, w, y):
     return _ce(x @ w.T, y).mean() + penalty
 
 
+_X2 = np.random.default_rng(3).standard_normal((N, D)).astype(np.float32)
+
+
+def _two_heads_one_labels(x, w, y):
+    first = _ce(x @ w.T, y).mean()
+    return first + _ce(_X2 @ w.T, y).mean()  # a second head, on other hidden states, with the same labels
+
+
 @pytest.mark.parametrize(
     "fn", [_value_head_after, _value_head_before, _penalty_after, _penalty_before], ids=lambda f: f.__name__
 )
@@ -459,3 +468,14 @@ def test_other_readers_of_the_hidden_states_do_not_decide(fn):
     args = _data()
     assert _hows(fn, args, loss_head=4) == ["chunked: 4 token chunks (lax.scan + checkpoint), float32 accumulation"]
     _assert_close(_run(fn, 4, args), _run(fn, "xla", args))
+
+
+def test_two_heads_reading_the_same_labels_are_both_chunked():
+    """The labels are an input of each head: the second head's reading them does not make it
+    part of the first head's loss."""
+    args = _data()
+    assert (
+        _hows(_two_heads_one_labels, args, loss_head=4)
+        == ["chunked: 4 token chunks (lax.scan + checkpoint), float32 accumulation"] * 2
+    )
+    _assert_close(_run(_two_heads_one_labels, 4, args), _run(_two_heads_one_labels, "xla", args))
