@@ -363,11 +363,12 @@ def test_too_small_to_pay_under_auto():
 
 
 def _assert_close(a, b):
-    """Equal within bfloat16's rounding of the logits: both programs compute the matmul in
-    bfloat16, and XLA on CPU keeps or elides the rounding of its result before the float32
-    softmax depending on how it fuses each program (seen: 1e-3 on single tokens' losses,
-    6e-5 on their mean), so each float leaf is within 2**-8 of the unchunked one in norm;
-    integers (predictions) are equal."""
+    """Equal within bfloat16's rounding of the logits: both jaxprs round the matmul's result
+    to bfloat16 before the float32 softmax, but XLA on CPU drops that rounding when it
+    compiles the unchunked program and keeps it in the scan's body (measured: each program's
+    per-token losses within 4e-7 of a float64 reference with and without the rounding
+    respectively; 3.6e-3 apart, 6e-5 on their mean). Each float leaf is within 2**-8 of the
+    unchunked one in norm; integers (predictions) are equal."""
     for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         p, q = np.asarray(p), np.asarray(q)
         if np.issubdtype(q.dtype, np.integer):

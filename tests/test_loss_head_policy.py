@@ -62,9 +62,9 @@ def _assert_identical(a, b):
 
 
 def _assert_close(a, b):
-    """Within bfloat16's rounding of the logits (2**-8 in norm): XLA on CPU keeps or elides
-    the rounding of the bfloat16 matmul's result before the float32 softmax depending on
-    how it fuses each program, chunked or not."""
+    """Within bfloat16's rounding of the logits (2**-8 in norm): XLA on CPU drops the
+    rounding of the bfloat16 matmul's result before the float32 softmax in the unchunked
+    program and keeps it in the scan's body (tests/test_loss_head_find.py's `_assert_close`)."""
     for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         assert tree_max_rel_err(p, q) <= 2**-8, (p, q)
 
