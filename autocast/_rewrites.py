@@ -174,7 +174,39 @@ def _apply(ctx: Any, rw: Rewrite, jaxpr: Any, consts: Sequence[Any], scopes: tup
     if not replaced:
         return jaxpr
     new = [replaced.get(i, e) for i, e in enumerate(eqns) if replaced.get(i, e) is not None]
-    return _compat.with_eqns(jaxpr, new)
+    return _compat.with_eqns(jaxpr, _in_order(new))
+
+
+def _in_order(eqns: Sequence[Any]) -> list[Any]:
+    """`eqns` with each equation after the ones that make what it reads, otherwise as they
+    were: a span's equation takes the place of its last equation, and an equation written
+    between the span's first and last that reads what the span returns moves after it (the
+    loss's mean, computed before an accuracy that reads the logits)."""
+    made = {v for e in eqns for v in e.outvars}
+    ready: set[Any] = set()
+    out: list[Any] = []
+    waiting: list[Any] = []
+
+    def can(e: Any) -> bool:
+        return all(isinstance(v, _compat.Literal) or v not in made or v in ready for v in e.invars)
+
+    for e in eqns:
+        if not can(e):
+            waiting.append(e)
+            continue
+        out.append(e)
+        ready.update(e.outvars)
+        progress = True
+        while progress and waiting:
+            progress = False
+            for w in list(waiting):
+                if can(w):
+                    waiting.remove(w)
+                    out.append(w)
+                    ready.update(w.outvars)
+                    progress = True
+    assert not waiting, "a rewritten jaxpr with a cycle"
+    return out
 
 
 def _free_vars(span: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:

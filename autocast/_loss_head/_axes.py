@@ -97,9 +97,10 @@ def _shape_of(
     return shapes_in[slot[1]] if slot[0] == "in" else shapes_out[slot[1]]
 
 
-def _one_to_one(forward: Mapping[int, int], known, n_in: int = 1) -> dict[Slot, Axis]:
+def _one_to_one(forward: Mapping[int, int], known, n_in: int = 1, creates: bool = False) -> dict[Slot, Axis]:
     """One operand, one result, whose token axes correspond by `forward` (operand axis ->
-    result axis; an axis not in it cannot be the token axis)."""
+    result axis; an axis not in it cannot be the token axis). `creates`: a result axis not in
+    it is made here from a whole operand (a broadcast); otherwise it cannot be the token axis."""
     back = {v: k for k, v in forward.items()}
     a, b = known.get(("in", 0)), known.get(("out", 0))
     if a is not None:
@@ -110,6 +111,8 @@ def _one_to_one(forward: Mapping[int, int], known, n_in: int = 1) -> dict[Slot, 
         b = forward[a]
     elif b is not None:
         a = back.get(b)  # None: the result's token axis is made here (a broadcast); the operand is whole
+        if a is None and not creates:
+            raise NotLocal(f"axis {b} of its result is no chunk of its operand")
     result: dict[Slot, Axis] = {("in", i): None for i in range(n_in)}
     result[("in", 0)] = a
     result[("out", 0)] = b
@@ -129,7 +132,7 @@ def _broadcast_in_dim(params, shapes_in, shapes_out, known):
         i = list(dims).index(known[("out", 0)])
         if src[i] != dst[known[("out", 0)]]:  # broadcast from size 1 along the tokens: whole operand
             forward.pop(i, None)
-    return _one_to_one(forward, known, len(shapes_in))
+    return _one_to_one(forward, known, len(shapes_in), creates=True)
 
 
 def _squeeze(params, shapes_in, shapes_out, known):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,11 @@ AMPLIFY = 8
 """How many times the hidden states' elements the head's result must have: the vocabulary at
 least eight times the width, as PyTorch Inductor's auto_chunker asks (GPT-2 small: 50,257 / 768 = 65; an MLP's 4x up-projection or a classifier over 10 classes is
 not a head worth chunking)."""
+
+
+PREFERRED = 8
+"""Of the token axes a head is row-local along, the finder takes the first that allows this
+many chunks (or the one allowing most): the batch axis of 8 x 1024 tokens, not the sequence."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,18 +128,21 @@ def find(jaxpr: Any, consts: Sequence[Any] = ()) -> list[tuple[tuple[int, ...], 
             continue
         what, choices = candidate
         result: tuple[tuple[int, ...], Plan] | Refused | None = None
+        best = 0
         for operand, axis in choices:
             try:
-                result = _span(g, n, operand, axis, what)
+                attempt = _span(g, n, operand, axis, what)
             except _axes.NotLocal as e:
-                result = result if isinstance(result, Refused) else Refused(what, str(e), (node.top,))
+                result = result if result is not None else Refused(what, str(e), (node.top,))
                 continue
             except Exception as e:  # a jaxpr the finder does not know: never fail amp's trace
-                result = Refused(what, f"not recognised ({type(e).__name__}: {e})", (node.top,))
+                result = result if result is not None else Refused(what, f"not recognised ({type(e).__name__}: {e})")
                 continue
-            if result[1].chunk_counts():
-                break
-            result = Refused(what, "no chunk count divides its token axis", (node.top,))
+            counts = attempt[1].chunk_counts()
+            if not counts:
+                result = result if result is not None else Refused(what, "no chunk count divides its token axis")
+            elif min(counts[-1], PREFERRED) > best:  # the token axis that allows the most chunks (up to 8)
+                result, best = attempt, min(counts[-1], PREFERRED)
         if result is None:
             continue
         if isinstance(result, tuple):
@@ -163,7 +172,11 @@ def _anchor(g: Graph, node: Node) -> tuple[str, list[tuple[int, int]]] | None:
     if not choices or lb:
         return None
     tokens = [out[a] for _, a in choices]
-    return f"loss head {_dims(lhs)} x {_dims(rhs)} -> {_dims(out)} (tokens {_dims(tokens)})", choices
+    what = f"loss head {_dims(lhs)} x {_dims(rhs)} -> {_dims(out)} (tokens {_dims(tokens)})"
+    frame = _compat.user_frame(node.source) if node.source is not None else None
+    if frame is not None:
+        what += f" at {Path(frame[0]).name}:{frame[1]}"
+    return what, choices
 
 
 def _dims(shape: Sequence[int]) -> str:
@@ -176,7 +189,9 @@ class _Build:
     def __init__(self, g: Graph, no_pull: set[int]):
         self.g = g
         self.members: set[int] = set()
-        self.axes: dict[int, _axes.Axis] = {}
+        self.axes: dict[int, _axes.Axis] = {}  # the span's values (the head's result and what it feeds)
+        self.sliced: dict[int, int] = {}  # values made outside, sliced per chunk (not the span's)
+        self.after: set[int] = set()  # values made from reductions over the tokens
         self.relations: dict[int, dict[_axes.Slot, _axes.Axis]] = {}
         self.no_pull = no_pull
         self.pulled: set[int] = set()
@@ -209,7 +224,7 @@ class _Build:
     def demand(self, a: int, axis: int) -> None:
         """`a` must be chunked along `axis`: computed per chunk where it is made from labels
         and constants only and read by the loss only, else sliced."""
-        have = self.axes.get(a)
+        have = self.axes.get(a, self.sliced.get(a))
         if have is not None:
             if have != axis:
                 raise _axes.NotLocal("a value is read chunked along two different axes")
@@ -229,7 +244,7 @@ class _Build:
             else:
                 self.pulled.add(p)
                 return
-        self.axes[a] = axis
+        self.sliced[a] = axis
 
     def _broadcast(self, n: int, a: int, axis: int) -> bool:
         """Whether node `n` makes the token axis of `a` from whole operands (a bias broadcast
@@ -283,17 +298,19 @@ def _attempt(g: Graph, head: int, operand: int, axis: int, no_pull: set[int]) ->
     b.members.add(head)
     b.relations[head] = {("in", operand): free[position], ("in", 1 - operand): None, ("out", 0): axis}
     b.axes[node.outs[0]] = axis
-    b.axes[node.ins[operand]] = free[position]  # the hidden states: sliced, never recomputed
+    b.sliced[node.ins[operand]] = free[position]  # the hidden states: sliced, never recomputed
     for n in range(head + 1, len(g.nodes)):
         nd = g.nodes[n]
         ids = [a for a in nd.ins if isinstance(a, int)]
         chunked = {i: b.axes[a] for i, a in enumerate(nd.ins) if isinstance(a, int) and isinstance(b.axes.get(a), int)}
-        if any(isinstance(b.axes.get(a), str) for a in ids):
+        if any(isinstance(b.axes.get(a), str) or a in b.after for a in ids):
             if chunked:
                 raise _axes.NotLocal(f"a reduction over the tokens is read again by `{nd.name}` (it mixes rows)")
+            b.after.update(o for o in nd.outs if o >= 0)
             continue
         if chunked and n not in b.members:
-            b.add(n, {("in", i): v for i, v in chunked.items()})
+            known = {("in", i): b.sliced[a] for i, a in enumerate(nd.ins) if isinstance(a, int) and a in b.sliced}
+            b.add(n, known | {("in", i): v for i, v in chunked.items()})
     return b
 
 
@@ -308,7 +325,7 @@ def _plan(g: Graph, b: _Build, head: int, what: str) -> tuple[tuple[int, ...], P
         for n in g.top_nodes[t]:
             if n not in members:
                 touched = [*g.nodes[n].ins, *g.nodes[n].outs]
-                if any(isinstance(a, int) and a in b.axes for a in touched):
+                if any(isinstance(a, int) and (a in b.axes or a in b.sliced) for a in touched):
                     raise _axes.NotLocal("a call mixes the loss with other work")
                 members.add(n)
                 b.relations[n] = {}
@@ -332,9 +349,7 @@ def _plan(g: Graph, b: _Build, head: int, what: str) -> tuple[tuple[int, ...], P
     outputs = [o for o in made if _read_outside(g, members, o)]
     outputs.sort()
     head_node = g.nodes[head]
-    big = int(
-        np.prod(g.shape(head_node.ins[0 if isinstance(b.axes.get(head_node.ins[0]), int) else 1]), dtype=np.int64)
-    )
+    big = int(np.prod(g.shape(head_node.ins[0 if head_node.ins[0] in b.sliced else 1]), dtype=np.int64))
     for o in outputs:
         ax = b.axes.get(o)
         if o not in g.var_of_id:
@@ -343,23 +358,20 @@ def _plan(g: Graph, b: _Build, head: int, what: str) -> tuple[tuple[int, ...], P
             raise _axes.NotLocal("a value computed beside the loss is read after it")
         if isinstance(ax, int) and int(np.prod(g.shape(o), dtype=np.int64)) > big:
             raise _axes.NotLocal("the logits (or a value as large) are read after the loss")
-    last = max(tops)
-    for o in outputs:
-        if any(g.nodes[r].top < last for r in g.readers.get(o, ()) if r not in members):
-            raise _axes.NotLocal("a value of the loss is read before the loss ends")
     if not any(isinstance(b.axes.get(o), str) for o in outputs) and not outputs:
         raise _axes.NotLocal("nothing of the loss is read")
     dt = np.dtype(np.float32).itemsize
     logits_bytes = int(np.prod(g.shape(head_node.outs[0]), dtype=np.int64)) * dt
     nodes = tuple(g.nodes[n] for n in order)
-    sizes = tuple(sorted({g.shape(i)[v] for i, v in b.axes.items() if isinstance(v, int)}))
+    axes = {**b.sliced, **b.axes}
+    sizes = tuple(sorted({g.shape(i)[v] for i, v in axes.items() if isinstance(v, int)}))
     relations = tuple(b.relations[n] for n in order)
     in_vars = tuple(g.var_of_id[i] for i in inputs)
     out_vars = tuple(g.var_of_id[o] for o in outputs)
     plan = Plan(
         what,
         nodes,
-        dict(b.axes),
+        axes,
         tuple(inputs),
         tuple(outputs),
         consts,

@@ -9,7 +9,7 @@ from .. import _walk
 ELEMENTWISE = frozenset(
     {
         "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
-        "cbrt", "ceil", "clamp", "conj", "convert_element_type", "copy", "copy_p", "cos", "cosh",
+        "cbrt", "ceil", "clamp", "conj", "convert_element_type", "copy", "cos", "cosh",
         "digamma", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt",
         "imag", "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max",
         "min", "mul", "ne", "neg", "nextafter", "not", "or", "pow", "real", "reduce_precision", "rem",
