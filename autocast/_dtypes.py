@@ -96,8 +96,11 @@ _cast_memo: contextvars.ContextVar[dict | None] = contextvars.ContextVar("cast_m
 
 @contextlib.contextmanager
 def memoised_casts() -> Iterator[None]:
-    """Share casts of the same value to the same dtype within this block (one trace)."""
-    token = _cast_memo.set({})
+    """Share casts of the same value to the same dtype within this block (one trace). The
+    overrides of an enclosing block (`cast_override`) hold here too: a rule that evaluates
+    equations (the loss head's chunks) may hand them a cast made once, outside."""
+    outer = _cast_memo.get() or {}
+    token = _cast_memo.set({k: v for k, v in outer.items() if isinstance(v[1], _Lazy)})
     try:
         yield
     finally:

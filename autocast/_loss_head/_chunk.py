@@ -26,6 +26,7 @@ the measurements.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -86,10 +87,16 @@ class _Chunked(_rules.Rule):
         whole = [v for v, a in zip(vals, in_axes) if a is None]
         xs = [_split(v, a, k) for v, a in zip(vals, in_axes) if a is not None]
 
+        precast = _precast(ctx, plan, vals)
+
         def run(xs_t: Sequence[Any]) -> list[Any]:
             it, wit = iter(xs_t), iter(whole)
             args = [next(it) if a is not None else next(wit) for a in in_axes]
-            return ctx.eval_closed(chunk, args, flags, scopes=params["scopes"], rewrites=False, recomputed=True)
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(_dtypes.memoised_casts())
+                for x, x16 in precast:
+                    stack.enter_context(_dtypes.cast_override(x, x16.dtype, lambda x16=x16: x16))
+                return ctx.eval_closed(chunk, args, flags, scopes=params["scopes"], rewrites=False, recomputed=True)
 
         first = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
         shapes = jax.eval_shape(lambda *a: _quiet(ctx, chunk, in_axes, whole, flags, params["scopes"], a), *first)
@@ -118,6 +125,19 @@ class _Chunked(_rules.Rule):
             else:
                 results.append(_merge(next(yit), kind))
         return results
+
+
+def _precast(ctx: Any, plan: _find.Plan, vals: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """The weight in the compute dtype, cast once before the loop (float32 weight, half
+    compute dtype): the chunks' matmuls read it instead of casting it again in every chunk,
+    forward and recomputed, while its gradient still flows to the float32 weight (`_wide`'s
+    float32 cotangent ignores the tangent of the cast)."""
+    if plan.weight is None:
+        return []
+    w = vals[plan.weight]
+    if _dtypes.dtype_of(w) != _dtypes.FLOAT32 or ctx.compute_dtype not in _dtypes.HALF:
+        return []
+    return [(w, _dtypes.cast(w, ctx.compute_dtype))]
 
 
 def _quiet(ctx, chunk, in_axes, whole, flags, scopes, xs_t) -> list[Any]:
@@ -211,8 +231,15 @@ def _spans(jaxpr: Any, consts: Sequence[Any], compute_dtype: Any) -> list[_rewri
     return out
 
 
+MAX_CHUNKS = 64
+"""The most chunks `"auto"` takes (a token axis of 1,021 tokens is not cut into 1,021 chunks)."""
+
+
 def chunk_count(plan: _find.Plan, setting: Any) -> int | str:
-    """The number of chunks for `plan` under amp's `loss_head` setting, or why none."""
+    """The number of chunks for `plan` under amp's `loss_head` setting, or why none: the
+    smallest count that divides the token axis and is at least what the setting asks (an int;
+    `"auto"`: the float32 logits over `BUDGET`), else the largest count that divides it (at
+    most `MAX_CHUNKS` under `"auto"`)."""
     counts = plan.chunk_counts()
     if isinstance(setting, int) and not isinstance(setting, bool):
         if setting < 2:
@@ -223,6 +250,7 @@ def chunk_count(plan: _find.Plan, setting: Any) -> int | str:
         if want < 2:
             mib = plan.logits_bytes / 2**20
             return f"too small to pay ({mib:.0f} MiB of float32 logits; chunked above {BUDGET >> 20} MiB)"
+        counts = [k for k in counts if k <= MAX_CHUNKS]
     if not counts:
         return "no chunk count divides its token axis"
     return next((k for k in counts if k >= want), counts[-1])

@@ -71,6 +71,8 @@ class Plan:
         relations: Each node's token axes (`_axes.relate`'s), in `nodes` order.
         in_vars: The top-level variables of `inputs`.
         out_vars: The top-level variables of `outputs`.
+        weight: The index in `inputs` of the head's whole operand (the weight), or None where
+            the span makes it.
     """
 
     what: str
@@ -84,6 +86,7 @@ class Plan:
     relations: tuple[Mapping[_axes.Slot, _axes.Axis], ...]
     in_vars: tuple[Any, ...]
     out_vars: tuple[Any, ...]
+    weight: int | None = None
 
     def chunk_counts(self) -> list[int]:
         """The chunk counts this plan allows (those that divide every size), ascending."""
@@ -171,8 +174,7 @@ def _anchor(g: Graph, node: Node) -> tuple[str, list[tuple[int, int]]] | None:
             choices += [(operand, first + j) for j in range(len(free))]
     if not choices or lb:
         return None
-    tokens = [out[a] for _, a in choices]
-    what = f"loss head {_dims(lhs)} x {_dims(rhs)} -> {_dims(out)} (tokens {_dims(tokens)})"
+    what = f"loss head {_dims(lhs)} x {_dims(rhs)} -> {_dims(out)}"
     frame = _compat.user_frame(node.source) if node.source is not None else None
     if frame is not None:
         what += f" at {Path(frame[0]).name}:{frame[1]}"
@@ -366,6 +368,8 @@ def _plan(g: Graph, b: _Build, head: int, what: str) -> tuple[tuple[int, ...], P
     axes = {**b.sliced, **b.axes}
     sizes = tuple(sorted({g.shape(i)[v] for i, v in axes.items() if isinstance(v, int)}))
     relations = tuple(b.relations[n] for n in order)
+    whole = head_node.ins[1] if head_node.ins[0] in b.sliced else head_node.ins[0]
+    weight = inputs.index(whole) if whole in inputs else None
     in_vars = tuple(g.var_of_id[i] for i in inputs)
     out_vars = tuple(g.var_of_id[o] for o in outputs)
     plan = Plan(
@@ -380,5 +384,6 @@ def _plan(g: Graph, b: _Build, head: int, what: str) -> tuple[tuple[int, ...], P
         relations,
         in_vars,
         out_vars,
+        weight,
     )
     return tuple(tops), plan
