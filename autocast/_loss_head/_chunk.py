@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat, _dtypes, _registry, _rewrites, _rules
-from . import _axes, _find
+from . import _axes, _find, _forward
 
 BUDGET = 512 << 20
 """The float32 logits one chunk may hold under `loss_head="auto"` (bytes). Deviceless H100,
@@ -88,21 +88,26 @@ class _Chunked(_rules.Rule):
         xs = [_split(v, a, k) for v, a in zip(vals, in_axes) if a is not None]
 
         precast = _precast(ctx, plan, vals)
+        weight = None if plan.weight is None else sum(1 for a in in_axes[: plan.weight] if a is None)
 
-        def run(xs_t: Sequence[Any]) -> list[Any]:
-            it, wit = iter(xs_t), iter(whole)
+        def run(xs_t: Sequence[Any], whole_t: Sequence[Any], cast_w: Any) -> list[Any]:
+            """The chunk's outputs under amp's rules (`whole_t`: the whole inputs, maybe
+            tracers of a derivative; `cast_w`, the weight's precast, stands in for its cast)."""
+            it, wit = iter(xs_t), iter(whole_t)
             args = [next(it) if a is not None else next(wit) for a in in_axes]
             with contextlib.ExitStack() as stack:
                 stack.enter_context(_dtypes.memoised_casts())
-                for x, x16 in precast:
-                    stack.enter_context(_dtypes.cast_override(x, x16.dtype, lambda x16=x16: x16))
+                if cast_w is not None and weight is not None:
+                    stack.enter_context(_dtypes.cast_override(whole_t[weight], cast_w.dtype, lambda: cast_w))
                 return ctx.eval_closed(chunk, args, flags, scopes=params["scopes"], rewrites=False, recomputed=True)
 
         first = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
         shapes = jax.eval_shape(lambda *a: _quiet(ctx, chunk, in_axes, whole, flags, params["scopes"], a), *first)
+        if _forward.applies(ctx.compute_dtype, shapes, kinds):
+            return _forward.with_gradients(run, xs, whole, precast, shapes)
 
         def step(carry: Sequence[Any], xs_t: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-            outs = run(xs_t)
+            outs = run(xs_t, whole, precast)
             it = iter(carry)
             new, ys = [], []
             for o, kind in zip(outs, kinds):
@@ -127,17 +132,17 @@ class _Chunked(_rules.Rule):
         return results
 
 
-def _precast(ctx: Any, plan: _find.Plan, vals: Sequence[Any]) -> list[tuple[Any, Any]]:
+def _precast(ctx: Any, plan: _find.Plan, vals: Sequence[Any]) -> Any:
     """The weight in the compute dtype, cast once before the loop (float32 weight, half
     compute dtype): the chunks' matmuls read it instead of casting it again in every chunk,
     forward and recomputed, while its gradient still flows to the float32 weight (`_wide`'s
     float32 cotangent ignores the tangent of the cast)."""
     if plan.weight is None:
-        return []
+        return None
     w = vals[plan.weight]
     if _dtypes.dtype_of(w) != _dtypes.FLOAT32 or ctx.compute_dtype not in _dtypes.HALF:
-        return []
-    return [(w, _dtypes.cast(w, ctx.compute_dtype))]
+        return None
+    return _dtypes.cast(w, ctx.compute_dtype)
 
 
 def _quiet(ctx, chunk, in_axes, whole, flags, scopes, xs_t) -> list[Any]:
