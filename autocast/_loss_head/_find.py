@@ -301,6 +301,13 @@ def _attempt(g: Graph, head: int, operand: int, axis: int, no_pull: set[int]) ->
     b.relations[head] = {("in", operand): free[position], ("in", 1 - operand): None, ("out", 0): axis}
     b.axes[node.outs[0]] = axis
     b.sliced[node.ins[operand]] = free[position]  # the hidden states: sliced, never recomputed
+    w = node.ins[1 - operand]
+    p = g.producer.get(w) if isinstance(w, int) else None
+    if p is not None and g.nodes[p].name == "transpose" and not g.nodes[p].opaque and g.n_readers(w) == 1:
+        # `x @ W.T`: the weight enters the loop as stored (the loop's own layout of a
+        # transposed copy costs XLA a padded copy of it and of the logits' cotangent per chunk)
+        b.members.add(p)
+        b.relations[p] = {}
     for n in range(head + 1, len(g.nodes)):
         nd = g.nodes[n]
         ids = [a for a in nd.ins if isinstance(a, int)]
