@@ -74,7 +74,11 @@ def census(hlo: str) -> dict[str, Any]:
           (those with a float32 operand);
         - ``mosaic_kernels``: Pallas/Mosaic kernels (``tpu_custom_call``); ``custom_calls``: every
           custom call by target;
-        - ``fusions``: fusion instructions in the module (every computation, loop bodies once).
+        - ``fusions``: fusion instructions in the module (every computation, loop bodies once);
+        - ``while_loops``: ``while`` instructions; ``jax_loops``: those JAX made (``lax.scan``,
+          ``fori_loop``, ``while_loop``: op_name ending in ``while``), the others XLA's own
+          (a scatter expanded into a loop). XLA's cost analysis counts a loop body once, whatever
+          its trip count: a step with a JAX loop has its FLOPs and bytes accessed under-counted.
 
     Example::
 
@@ -86,9 +90,11 @@ def census(hlo: str) -> dict[str, Any]:
     matmul_types: collections.Counter = collections.Counter()
     convs: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
-    f32 = f32_in_stop = fusions = 0
+    f32 = f32_in_stop = fusions = loops = jax_loops = 0
     for ins in (i for instrs in comps.values() for i in instrs):
         fusions += ins.op == "fusion"
+        loops += ins.op == "while"
+        jax_loops += ins.op == "while" and _primitive(ins) == "while"
         if ins.op == "custom-call" and (t := _TARGET.search(ins.line)):
             calls[t.group(1)] += 1
         kind = _kind(ins)
@@ -114,6 +120,8 @@ def census(hlo: str) -> dict[str, Any]:
         "mosaic_kernels": calls.get(MOSAIC, 0),
         "custom_calls": dict(calls),
         "fusions": fusions,
+        "while_loops": loops,
+        "jax_loops": jax_loops,
     }
 
 

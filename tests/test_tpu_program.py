@@ -1,0 +1,228 @@
+"""The TPU program of train steps, checked on a machine without a TPU (issue 48).
+
+libtpu compiles for a one-chip TPU v5e described by its topology API ("deviceless" XLA:TPU,
+:mod:`benchmarks.tpu_modeled.tpu`): the optimised TPU program, its buffer assignment and XLA's
+cost analysis come back, nothing runs. On the benchmark's 2-block GPT (GPT-2 small's
+vocabulary of 50,257, width 768, batch 8 x 1,024 tokens: issue 48's model, whose amp temp was
+above MPX's before the loss-head rewrite; a TPU compile's time depends on the program's size,
+hardly on the batch), AdamW, parameters and optimizer state donated:
+
+- amp bfloat16's program has no float32 x float32 matmul (XLA:TPU writes matmuls as
+  convolutions; :mod:`benchmarks.tpu_modeled.census` finds them by the ``dot_general`` op_name),
+  and every matmul reads bfloat16 operands;
+- amp's temp memory is not above MPX's (issue 48's target for every benchmark model);
+- temp memory and bytes accessed (XLA's cost analysis) at most 2 % above the committed figures
+  (``benchmarks/results/tpu_modeled/guard-v5e.json``; the compile is deterministic, so a rise
+  is a change in the program; ``AUTOCAST_UPDATE_TPU_GUARD=1`` rewrites the file from this run).
+
+The census itself is checked on HLO text and on small programs compiled for the v5e (a float32
+and a bfloat16 matmul, a convolution, a Pallas kernel), so that "no float32 matmul" cannot
+pass by finding no matmul at all.
+
+Runs in ``bash tests/run_tpu_program.sh`` (``.venv-tpu``: ``jax[tpu]``, libtpu), which sets
+``AUTOCAST_TPU_LANE=1``: there a missing libtpu fails the compiling tests. Elsewhere they skip,
+saying so; the HLO-text tests run in every lane.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from benchmarks.tpu_modeled import census as K
+
+GUARD_FILE = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "tpu_modeled" / "guard-v5e.json"
+GUARD_MODEL, TARGET = "gpt2-2blocks", "v5e"
+GUARD_SYSTEMS = ("mpx-bf16", "autocast-bf16")
+SLACK = 0.02  # temp and bytes accessed may grow by 2 % before the guard fails
+AMP = "autocast-bf16"
+
+
+def _libtpu() -> None:
+    """Skip (outside the TPU lane) or fail (inside it) where libtpu is not installed."""
+    if importlib.util.find_spec("libtpu") is not None:
+        return
+    if os.environ.get("AUTOCAST_TPU_LANE") == "1":
+        pytest.fail("libtpu is not installed in the TPU lane's virtualenv (tests/run_tpu_program.sh installs it)")
+    pytest.skip("libtpu not installed: bash tests/run_tpu_program.sh runs the TPU compiles")
+
+
+@functools.cache
+def _sharding():
+    from benchmarks.tpu_modeled import tpu
+
+    return tpu.target_sharding(TARGET)
+
+
+@functools.cache
+def _step(system: str) -> dict:
+    """The guard model's step for ``system``, compiled once per process."""
+    from benchmarks.tpu_modeled import tpu
+
+    return tpu.compile_system(tpu.make_task(GUARD_MODEL), system, _sharding())
+
+
+def _group(system: str):
+    """One xdist group per compile, so that two workers compile two steps at once."""
+    return pytest.mark.xdist_group(f"tpu-{system}")
+
+
+# ----------------------------------------------------------------------------- the census, on HLO text
+
+_HLO = """\
+HloModule jit_step, is_scheduled=true
+
+%fused_matmul (p0: bf16[64,32], p1: bf16[32,16]) -> f32[64,16] {
+  %p0 = bf16[64,32]{1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = bf16[32,16]{1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %convolution.1 = f32[64,16]{1,0:T(8,128)} convolution(%p0, %p1), dim_labels=bf_io->bf, metadata={op_name="jit(step)/jvp(eqx.nn.Linear)/dot_general"}
+}
+
+%fused_f32 (q0: f32[64,32], q1: f32[32,16]) -> f32[64,16] {
+  %q0 = f32[64,32]{1,0:T(8,128)} parameter(0)
+  %q1 = f32[32,16]{1,0:T(8,128)} parameter(1)
+  ROOT %convolution.2 = f32[64,16]{1,0:T(8,128)} convolution(%q0, %q1), dim_labels=bf_io->bf, metadata={op_name="jit(step)/amp_stop/dot_general"}
+}
+
+ENTRY %main (a: bf16[64,32], b: bf16[32,16], c: f32[64,32], d: f32[32,16], e: f32[8,3,16,16], k: f32[4,3,2,2]) -> f32[64,16] {
+  %a = bf16[64,32]{1,0:T(8,128)(2,1)} parameter(0)
+  %b = bf16[32,16]{1,0:T(8,128)(2,1)} parameter(1)
+  %c = f32[64,32]{1,0:T(8,128)} parameter(2)
+  %d = f32[32,16]{1,0:T(8,128)} parameter(3)
+  %e = f32[8,3,16,16]{3,2,1,0:T(8,128)} parameter(4)
+  %k = f32[4,3,2,2]{3,2,1,0:T(8,128)} parameter(5)
+  %fusion.1 = f32[64,16]{1,0:T(8,128)} fusion(%a, %b), kind=kOutput, calls=%fused_matmul
+  %fusion.2 = f32[64,16]{1,0:T(8,128)} fusion(%c, %d), kind=kOutput, calls=%fused_f32
+  %dot.3 = f32[64,16]{1,0:T(8,128)} dot(%c, %d), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/dot_general"}
+  %convolution.4 = f32[8,4,8,8]{3,2,1,0:T(8,128)} convolution(%e, %k), window={size=2x2 stride=2x2}, dim_labels=bf01_oi01->bf01, metadata={op_name="jit(step)/conv_general_dilated"}
+  %custom-call.5 = f32[64,16]{1,0:T(8,128)} custom-call(%fusion.1), custom_call_target="tpu_custom_call", backend_config="{}"
+  %custom-call.6 = f32[64,16]{1,0:T(8,128)} custom-call(%fusion.1), custom_call_target="ConcatBitcast"
+  %while.8 = (s32[]) while(%t), condition=%cond, body=%body, metadata={op_name="jit(step)/jvp()/while"}
+  %while.9 = (s32[]) while(%t), condition=%cond, body=%body, metadata={op_name="jit(step)/transpose(jvp())/scatter-add"}
+  ROOT %add.7 = f32[64,16]{1,0:T(8,128)} add(%fusion.2, %dot.3)
+}
+"""
+
+
+def test_census_reads_tpu_matmuls_written_as_convolutions():
+    c = K.census(_HLO)
+    assert c["matmuls"] == {"bf16 x bf16": 1, "f32 x f32": 2}
+    assert c["matmul_types"] == {"bf16 x bf16 -> f32": 1, "f32 x f32 -> f32": 2}
+    assert (c["f32_matmuls"], c["f32_matmuls_in_amp_stop"]) == (1, 1)  # the dot outside, the fusion's inside
+    assert c["convolutions"] == {"f32 x f32": 1} and c["f32_convolutions"] == 1
+    assert c["mosaic_kernels"] == 1
+    assert c["custom_calls"] == {"tpu_custom_call": 1, "ConcatBitcast": 1}
+    assert c["fusions"] == 2
+    assert (c["while_loops"], c["jax_loops"]) == (2, 1)  # a scan's loop, XLA's loop of a scatter
+
+
+def test_census_of_a_module_without_matmuls():
+    c = K.census("ENTRY %main (a: f32[4]) -> f32[4] {\n  ROOT %a = f32[4]{0} parameter(0)\n}\n")
+    assert c["matmuls"] == {} and c["f32_matmuls"] == 0 and c["mosaic_kernels"] == 0
+    assert K.cell(c["matmuls"]) == "-"
+
+
+# ----------------------------------------------------------------------------- the census, on compiled programs
+
+
+def test_census_of_small_programs_compiled_for_the_v5e():
+    _libtpu()
+    import jax
+    import jax.numpy as jnp
+
+    sh = _sharding()
+
+    def compiled(f, *shapes):
+        args = [jax.ShapeDtypeStruct(s, dt, sharding=sh) for s, dt in shapes]
+        return K.census(jax.jit(f).lower(*args).compile().as_text())
+
+    mm = lambda a, b: a @ b  # noqa: E731
+    assert compiled(mm, ((256, 512), jnp.float32), ((512, 128), jnp.float32))["matmuls"] == {"f32 x f32": 1}
+    bf = compiled(mm, ((256, 512), jnp.bfloat16), ((512, 128), jnp.bfloat16))
+    assert bf["matmuls"] == {"bf16 x bf16": 1} and bf["f32_matmuls"] == 0
+    conv = lambda x, k: jax.lax.conv_general_dilated(x, k, (2, 2), "VALID")  # noqa: E731
+    c = compiled(conv, ((8, 3, 32, 32), jnp.bfloat16), ((16, 3, 4, 4), jnp.bfloat16))
+    assert c["convolutions"] == {"bf16 x bf16": 1} and c["matmuls"] == {}
+    # XLA:TPU runs a float32 convolution at JAX's default precision on bfloat16 operands (its
+    # float32 matmul above keeps float32 ones): the census reads what the program does
+    c = compiled(conv, ((8, 3, 32, 32), jnp.float32), ((16, 3, 4, 4), jnp.float32))
+    assert c["convolutions"] == {"bf16 x bf16": 1} and c["matmuls"] == {}
+
+
+def test_census_counts_a_pallas_kernel_compiled_for_the_v5e():
+    _libtpu()
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+
+    f = lambda x: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)  # noqa: E731
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=_sharding())
+    assert K.census(jax.jit(f).lower(x).compile().as_text())["mosaic_kernels"] == 1
+
+
+# ----------------------------------------------------------------------------- the train steps
+
+
+def _update_guard(key: str, figures: dict[str, int]) -> None:
+    """Write ``figures`` as ``key`` 's committed ones (locked: two workers write at once)."""
+    import fcntl
+    import importlib.metadata
+
+    GUARD_FILE.parent.mkdir(parents=True, exist_ok=True)
+    with open(GUARD_FILE, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        text = f.read()
+        table = json.loads(text) if text.strip() else {"steps": {}}
+        table["steps"][key] = figures
+        table["about"] = (
+            f"tests/test_tpu_program.py's guard: {GUARD_MODEL} (batch 8) compiled for a TPU {TARGET} "
+            f"(deviceless, libtpu {importlib.metadata.version('libtpu')}), written "
+            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d} by AUTOCAST_UPDATE_TPU_GUARD=1 bash tests/run_tpu_program.sh"
+        )
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
+@pytest.mark.parametrize("system", [pytest.param(AMP, marks=_group(AMP))])
+def test_amp_step_has_no_float32_matmul_on_the_v5e(system):
+    _libtpu()
+    c = _step(system)["census"]
+    assert sum(c["matmuls"].values()) >= 2 * 6 * 3, c["matmuls"]  # every block's matmuls, forward and backward
+    assert c["f32_matmuls"] == 0 and c["f32_matmuls_in_amp_stop"] == 0, c["matmul_types"]
+    assert set(c["matmuls"]) == {"bf16 x bf16"}, c["matmul_types"]
+
+
+@pytest.mark.xdist_group(f"tpu-{AMP}")
+def test_amp_temp_not_above_mpx_on_the_v5e():
+    _libtpu()
+    amp, mpx = _step(AMP)["memory"]["temp"], _step("mpx-bf16")["memory"]["temp"]
+    assert amp <= mpx, f"amp bf16 temp {amp / 2**20:,.0f} MiB above MPX's {mpx / 2**20:,.0f} MiB"
+
+
+@pytest.mark.parametrize("system", [pytest.param(s, marks=_group(s)) for s in GUARD_SYSTEMS])
+def test_temp_and_bytes_accessed_within_2_percent_of_the_committed(system):
+    _libtpu()
+    info = _step(system)
+    now = {"temp_bytes": info["memory"]["temp"], "bytes_accessed": int(info["cost"]["bytes_accessed"])}
+    key = f"{GUARD_MODEL}-{system}"
+    if os.environ.get("AUTOCAST_UPDATE_TPU_GUARD") == "1":
+        _update_guard(key, now)
+        return
+    committed = json.loads(GUARD_FILE.read_text())["steps"]
+    assert key in committed, f"no committed figures for {key}: run with AUTOCAST_UPDATE_TPU_GUARD=1"
+    for field, value in now.items():
+        limit = committed[key][field] * (1 + SLACK)
+        assert value <= limit, (
+            f"{key}: {field} {value:,} above the committed {committed[key][field]:,} by more than 2 %"
+        )
