@@ -217,8 +217,8 @@ class Context:
         whole-program rewrite (`rewrites` False), observed by no one (`observed` False), as
         inside a checkpoint that recomputes it (`recomputed`)."""
         ctx = self
-        if recomputed and not ctx.recomputed:
-            ctx = ctx.inside_recomputed_island()
+        if recomputed and not ctx.recomputed:  # (and matmul results in the compute dtype, as in a user checkpoint)
+            ctx = ctx.inside_recomputed_island().without_widening()
         if not rewrites:
             ctx = copy.copy(ctx)
             ctx.rewrites_off = frozenset(_rewrites.REWRITES)

@@ -97,7 +97,8 @@ class RuleContext:
                 that is not part of the program (the shapes of the outputs).
             recomputed: Whether the rule evaluates them inside a checkpoint of its own that
                 recomputes them in the backward pass (the loss head's chunks): amp then adds
-                no recomputed float32 island of its own there.
+                no recomputed float32 island of its own there, and stores matmul results
+                in the compute dtype (as inside a user checkpoint).
 
         Returns:
             Its outputs.

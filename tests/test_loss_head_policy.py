@@ -43,7 +43,10 @@ def _loss(x, w, y):
 
 def _hows(fn, args, **options):
     report = autocast.explain(fn, compute_dtype=options.pop("compute_dtype", jnp.bfloat16), **options)(*args)
-    return [h["how"] for h in report.totals["loss_head"]]
+    # how the chunks are differentiated (`_forward` or `scan` + `checkpoint`) is not what these tests check
+    return [
+        h["how"].replace(", gradients with the forward pass)", " + checkpoint)") for h in report.totals["loss_head"]
+    ]
 
 
 def _scans(fn, args, **options):
@@ -62,11 +65,13 @@ def _assert_identical(a, b):
 
 
 def _assert_close(a, b):
-    """Within bfloat16's rounding of the logits (2**-8 in norm): XLA on CPU drops the
-    rounding of the bfloat16 matmul's result before the float32 softmax in the unchunked
-    program and keeps it in the scan's body (tests/test_loss_head_find.py's `_assert_close`)."""
+    """Within two bfloat16 roundings (2**-7 in norm): XLA on CPU drops the rounding of the
+    bfloat16 matmul's result before the float32 softmax in the unchunked program and keeps it
+    in the scan's body (tests/test_loss_head_find.py's `_assert_close`), and a bfloat16 loss
+    differentiated with its forward pass rounds its gradient at cotangent 1, then scales it
+    (`autocast._loss_head._forward`)."""
     for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert tree_max_rel_err(p, q) <= 2**-8, (p, q)
+        assert tree_max_rel_err(p, q) <= 2**-7, (p, q)
 
 
 # --- turning it off -------------------------------------------------------------------------
@@ -171,14 +176,17 @@ def _as_large_as_the_logits(closed):
     return out
 
 
-def test_the_chunked_program_is_one_scan_of_checkpointed_chunks():
-    (scan,) = _scans(_loss, _data(), loss_head=4)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_the_chunked_program_is_one_scan_of_chunks(dtype):
+    """float16: a scan of checkpointed chunks (recomputed in the backward pass); bfloat16 with
+    one scalar loss: a scan with no checkpoint, its gradient made with it (`_forward`)."""
+    (scan,) = _scans(_loss, _data(), loss_head=4, compute_dtype=dtype)
     assert param(scan, "length") == 4
     (body,) = bodies(scan)
-    assert len(of_kind(body, "checkpoint")) == 1
+    assert len(of_kind(body, "checkpoint")) == (1 if dtype == jnp.float16 else 0)
     dots = [e for e, _ in walk(body) if e.primitive.name == "dot_general"]
     assert [tuple(v.aval.shape for v in e.invars) for e in dots] == [((N // 4, D), (D, V))]
-    assert [str(v.aval.dtype) for v in dots[0].invars] == ["bfloat16", "bfloat16"]
+    assert [str(v.aval.dtype) for v in dots[0].invars] == [jnp.dtype(dtype).name] * 2
 
 
 def test_no_value_as_large_as_the_logits_forward_or_backward():

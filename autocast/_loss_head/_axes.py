@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from . import _vocab
 
 SUM = "sum"
@@ -56,14 +58,17 @@ def relate(
     Raises:
         NotLocal: No row-local assignment agrees with `known`.
     """
-    shapes_in = [tuple(a.shape) for a in ins]
-    shapes_out = [tuple(a.shape) for a in outs]
+    shapes_in = [tuple(int(n) for n in a.shape) for a in ins]
+    shapes_out = [tuple(int(n) for n in a.shape) for a in outs]
     if name in _vocab.ELEMENTWISE:
-        return _elementwise(shapes_in, shapes_out, known)
-    rule = _RULES.get(name)
-    if rule is None:
-        raise NotLocal(f"`{name}` is not known to be row-local")
-    return rule(params, shapes_in, shapes_out, known)
+        result = _elementwise(shapes_in, shapes_out, known)
+    else:
+        rule = _RULES.get(name)
+        if rule is None:
+            raise NotLocal(f"`{name}` is not known to be row-local")
+        result = rule(params, shapes_in, shapes_out, known)
+    # dimension numbers may hold NumPy integers (under `vmap`): axes are plain ints
+    return {s: (int(v) if isinstance(v, np.integer) else v) for s, v in result.items()}
 
 
 def _agree(slots: Sequence[Slot], known: Mapping[Slot, int]) -> int | None:

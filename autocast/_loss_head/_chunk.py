@@ -83,7 +83,6 @@ class _Chunked(_rules.Rule):
         vals, flags = list(arrived[:n]), list(free or [False] * len(arrived))[:n]
         in_axes = [plan.axes.get(i) for i in plan.inputs]
         kinds = [plan.axes[o] for o in plan.outputs]
-        ctx.observer.rewrite("loss_head", plan.what, describe(k))
         whole = [v for v, a in zip(vals, in_axes) if a is None]
         xs = [_split(v, a, k) for v, a in zip(vals, in_axes) if a is not None]
 
@@ -103,7 +102,9 @@ class _Chunked(_rules.Rule):
 
         first = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
         shapes = jax.eval_shape(lambda *a: _quiet(ctx, chunk, in_axes, whole, flags, params["scopes"], a), *first)
-        if _forward.applies(ctx.compute_dtype, shapes, kinds):
+        forward = _forward.applies(ctx.compute_dtype, shapes, kinds)
+        ctx.observer.rewrite("loss_head", plan.what, describe(k, forward))
+        if forward:
             return _forward.with_gradients(run, xs, whole, precast, shapes)
 
         def step(carry: Sequence[Any], xs_t: Sequence[Any]) -> tuple[list[Any], list[Any]]:
@@ -193,8 +194,10 @@ def _merge(y: Any, axis: int) -> Any:
     return jnp.reshape(y, shape)
 
 
-def describe(k: int) -> str:
-    return f"chunked: {k} token chunks (lax.scan + checkpoint), float32 accumulation"
+def describe(k: int, forward: bool = False) -> str:
+    """What explain says of a chunked head (`forward`: its gradients made with the loop)."""
+    how = "lax.scan, gradients with the forward pass" if forward else "lax.scan + checkpoint"
+    return f"chunked: {k} token chunks ({how}), float32 accumulation"
 
 
 class _AsWritten(_rules.Rule):
