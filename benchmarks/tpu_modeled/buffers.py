@@ -139,7 +139,8 @@ def heap_peak(dump: Path, top: int = 12) -> dict[str, Any]:
 
     Returns:
         ``{"temp_by_color": {colour: bytes}, "heap": bytes, "peak_step": step, "live_bytes": bytes,
-        "live": [{"bytes", "value", "array", "producer", "op_name"}, ...]}`` (largest first).
+        "live": [{"bytes", "value", "array", "producer", "op_name"}, ...], "by_array": [[array, count,
+        bytes], ...]}`` (largest first; ``by_array``: the live values grouped by shape and dtype).
     """
 
     def one(pattern: str) -> Path:
@@ -181,8 +182,14 @@ def heap_peak(dump: Path, top: int = 12) -> dict[str, Any]:
                 "op_name": op_name,
             }
         )
+    groups: dict[str, list[int]] = {}
+    for v in at_peak:
+        g = groups.setdefault(_element(v.shape, v.index), [0, 0])
+        g[0], g[1] = g[0] + 1, g[1] + v.size
+    by_array = sorted(([a, n, b] for a, (n, b) in groups.items()), key=lambda r: -r[2])[:top]
     return {
         "temp_by_color": by_color,
+        "by_array": by_array,
         "heap": heap.size,
         "peak_step": step,
         "live_bytes": best,
@@ -198,7 +205,8 @@ def markdown(title: str, peak: dict[str, Any]) -> str:
         f"#### {title}\n",
         f"Temp allocations by memory space: {colors} (colour 0: HBM, 1: VMEM). HBM temp heap "
         f"{mib(peak['heap'])} MiB; at its peak (schedule step {peak['peak_step']}) {mib(peak['live_bytes'])} MiB "
-        "of it live at once; the largest values live there:\n",
+        "of it live at once.\n",
+        "By array: " + ", ".join(f"{n} x {a} {mib(b)} MiB" for a, n, b in peak["by_array"]) + ". The largest values:\n",
         "| MiB | array | HLO value | computed by | JAX op_name |",
         "|---|---|---|---|---|",
     ]

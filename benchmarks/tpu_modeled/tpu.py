@@ -241,6 +241,7 @@ def render(report: dict[str, Any]) -> str:
         f"## Train steps compiled for a TPU {report['target']} ({report['topology']}), not measured\n\n"
         f"Command: `{report['command']}`\n\n{C.metadata_markdown(report['meta'])}"
         f"- libtpu {report.get('libtpu')}; wall time: {report['wall_time_s'] / 60:.1f} min\n\n{NOTE}\n\n"
+        + (f"Note: {report['notes']}.\n\n" if report.get("notes") else "")
         + (f"### Targets (issue 48)\n\n{vtable}\n\n" if keys else "")
         + "### Per model\n\n"
         + "\n\n".join(sections)
