@@ -12,9 +12,11 @@ axis) into one jaxpr; the rule, `_Chunked`, binds
 where `step` evaluates that jaxpr under amp's rules on one chunk (the head's matmul in the
 compute dtype, the softmax in float32, as unchunked) and adds what it reduces over the tokens
 to a float32 carry. JAX derives the backward pass: the checkpoint recomputes each chunk's
-logits, and the weight enters the loop as it arrived (float32) and is cast inside it, so its
-gradient is accumulated across chunks in float32, the loss scale included (it is the
-cotangent of the carry). No gradient is written by hand.
+logits, and the weight enters the loop as it arrived (float32; its cast to the compute dtype
+made once before the loop stands in for each chunk's), so its gradient is accumulated across
+chunks in float32, the loss scale included (it is the cotangent of the carry). Where the
+loss is one float scalar and the compute dtype bfloat16, `_forward` makes the gradients with
+the loop instead (no chunk computed twice). No gradient is written by hand.
 
 **Chunk count.** With `loss_head="auto"` the smallest count that divides the token axis and
 brings the head's float32 logits per chunk to `BUDGET` bytes or less (GPT-2 small at 8 x 1024
@@ -39,9 +41,12 @@ from .. import _compat, _dtypes, _registry, _rewrites, _rules
 from . import _axes, _find, _forward
 
 BUDGET = 512 << 20
-"""The float32 logits one chunk may hold under `loss_head="auto"` (bytes). Deviceless H100,
-GPT-2 small body, 8 x 1024 tokens, amp bf16: 4 chunks (the vocabulary 50,257) take a third
-off the step's temporary memory for about 1 % modeled time; 8 chunks half, for 7 %."""
+"""The float32 logits one chunk may hold under `loss_head="auto"` (bytes). Measured on the
+deviceless H100 target, GPT-2 small's body at 8 x 1024 tokens, amp bf16, gradients with the
+forward pass (benchmarks/results/gpu_modeled/loss-head-forward-2026-11-28/): at the
+vocabulary 50,257 this gives 4 chunks, 0.72x the step's XLA temp for 1.04x its modeled time
+(8 chunks: 0.66x for 1.09x: the weight gradient's float32 accumulator is read and written once
+a chunk); at 128,256 and 256,000, 8 chunks, 0.47x and 0.38x for 1.04x."""
 
 loss_head_p = _compat.Primitive("loss_head")
 """One loss head of a jaxpr amp evaluates (params: `plan`, `chunks`, `chunk`: the span's
