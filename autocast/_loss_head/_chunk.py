@@ -44,9 +44,9 @@ BUDGET = 512 << 20
 """The float32 logits one chunk may hold under `loss_head="auto"` (bytes). Measured on the
 deviceless H100 target, GPT-2 small's body at 8 x 1024 tokens, amp bf16, gradients with the
 forward pass (benchmarks/results/gpu_modeled/loss-head-forward-2026-11-28/): at the
-vocabulary 50,257 this gives 4 chunks, 0.72x the step's XLA temp for 1.04x its modeled time
-(8 chunks: 0.66x for 1.09x: the weight gradient's float32 accumulator is read and written once
-a chunk); at 128,256 and 256,000, 8 chunks, 0.47x and 0.38x for 1.04x."""
+vocabulary 50,257 this gives 4 chunks, 0.72x the step's XLA temp for 1.04x its modeled time;
+at 128,256 and 256,000, 8 chunks, 0.47x and 0.38x for 1.04x. More chunks cost time (the weight
+gradient's float32 accumulator is read and written once a chunk); fewer keep more."""
 
 loss_head_p = _compat.Primitive("loss_head")
 """One loss head of a jaxpr amp evaluates (params: `plan`, `chunks`, `chunk`: the span's
