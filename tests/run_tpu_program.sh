@@ -23,7 +23,7 @@ ensure_venv .venv-tpu "$py" test "jax[tpu]==$jax_version"
 [ "${AUTOCAST_TPU_SETUP_ONLY:-0}" = 1 ] && exit 0
 cd "$PROJECT_ROOT"
 export JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 AUTOCAST_TPU_LANE=1
-# libtpu's own log lines (TPU worker hostnames, accelerator type): harmless for compiling
-export TPU_STDERR_LOG_LEVEL="${TPU_STDERR_LOG_LEVEL:-3}" TPU_MIN_LOG_LEVEL="${TPU_MIN_LOG_LEVEL:-3}"
+# libtpu prints errors about TPU worker hostnames and the accelerator type when it loads (before
+# its log-level settings are read): harmless for compiling
 # two workers (--dist loadgroup): each train step compiles once, on one worker, two at a time
 "$VENV_PYTHON" -m pytest -p no:cacheprovider -n 2 --dist loadgroup -q tests/test_tpu_program.py "$@"
