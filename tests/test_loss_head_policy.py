@@ -249,6 +249,9 @@ def test_auto_takes_the_smallest_divisor_that_fits_the_budget(monkeypatch, budge
     """`"auto"`: the smallest count >= ceil(logits_bytes / BUDGET) that divides the tokens;
     logits that fit the budget whole are left as written (too small to pay)."""
     monkeypatch.setattr(_chunk, "BUDGET", budget)
+    monkeypatch.setattr(
+        jax, "device_count", lambda: 1
+    )  # one device's budget (the sharded case: test_loss_head_sharded.py)
     want = math.ceil(N * V * 4 / budget)
     got = chunk_count(_plan(), "auto")
     args = _data()

@@ -89,7 +89,7 @@ class _Chunked(_rules.Rule):
         in_axes = [plan.axes.get(i) for i in plan.inputs]
         kinds = [plan.axes[o] for o in plan.outputs]
         whole = [v for v, a in zip(vals, in_axes) if a is None]
-        xs = [_split(v, a, k) for v, a in zip(vals, in_axes) if a is not None]
+        xs = [_split(v, a, k, plan.inner[i]) for v, a, i in zip(vals, in_axes, plan.inputs) if a is not None]
 
         precast = _precast(ctx, plan, vals)
         weight = None if plan.weight is None else sum(1 for a in in_axes[: plan.weight] if a is None)
@@ -130,11 +130,11 @@ class _Chunked(_rules.Rule):
         step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
         carry, ys = jax.lax.scan(step, init, xs)
         results, cit, yit = [], iter(carry), iter(ys)
-        for s, kind in zip(shapes, kinds):
+        for s, kind, o in zip(shapes, kinds, plan.outputs):
             if isinstance(kind, str):
                 results.append(next(cit).astype(s.dtype))
             else:
-                results.append(_merge(next(yit), kind))
+                results.append(_merge(next(yit), kind, plan.inner[o]))
         return results
 
 
@@ -184,19 +184,29 @@ def _combine_max(c: Any, o: Any) -> Any:
     return jnp.maximum(c, o)
 
 
-def _split(x: Any, axis: int, k: int) -> Any:
-    """`x` with its axis `axis` cut into `k` contiguous chunks, stacked on a new leading axis."""
+def _split(x: Any, axis: int, k: int, inner: int) -> Any:
+    """`x` with its axis `axis` cut into `k` chunks of interleaved row groups (chunk `j`: the
+    rows `r` with `(r // inner) % k == j`, in order), stacked on a new leading axis."""
     shape = list(x.shape)
-    shape[axis : axis + 1] = [k, shape[axis] // k]
-    return jnp.moveaxis(jnp.reshape(x, shape), axis, 0)
+    n = shape[axis]
+    shape[axis : axis + 1] = [n // (k * inner), k, inner]
+    y = jnp.moveaxis(jnp.reshape(x, shape), axis + 1, 0)
+    out = list(y.shape)
+    out[axis + 1 : axis + 3] = [n // k]
+    return jnp.reshape(y, out)
 
 
-def _merge(y: Any, axis: int) -> Any:
-    """The chunks of a per-token result (stacked on the leading axis) put back along `axis`."""
-    y = jnp.moveaxis(y, 0, axis)
+def _merge(y: Any, axis: int, inner: int) -> Any:
+    """The chunks of a per-token result (stacked on the leading axis) put back along `axis`
+    (the inverse of `_split`)."""
+    k = y.shape[0]
     shape = list(y.shape)
-    shape[axis : axis + 2] = [shape[axis] * shape[axis + 1]]
-    return jnp.reshape(y, shape)
+    m = shape[axis + 1]
+    shape[axis + 1 : axis + 2] = [m // inner, inner]
+    y = jnp.moveaxis(jnp.reshape(y, shape), 0, axis + 1)
+    out = list(y.shape)
+    out[axis : axis + 3] = [m * k]
+    return jnp.reshape(y, out)
 
 
 def describe(k: int, forward: bool = False) -> str:
@@ -252,7 +262,11 @@ def chunk_count(plan: _find.Plan, setting: Any) -> int | str:
     """The number of chunks for `plan` under amp's `loss_head` setting, or why none: the
     smallest count that divides the token axis and is at least what the setting asks (an int;
     `"auto"`: the float32 logits over `BUDGET`), else the largest count that divides it (at
-    most `MAX_CHUNKS` under `"auto"`)."""
+    most `MAX_CHUNKS` under `"auto"`). With several devices `"auto"` takes, where there are
+    any, only counts that leave each chunk rows of every device (the chunks interleave the
+    rows, so a batch sharded across the devices is chunked where it lies, with no
+    collective): a data-parallel step over 8 devices with 64 sequences gets at most 8 chunks,
+    each device's share of the logits cut as much."""
     counts = plan.chunk_counts()
     if isinstance(setting, int) and not isinstance(setting, bool):
         if setting < 2:
@@ -264,6 +278,13 @@ def chunk_count(plan: _find.Plan, setting: Any) -> int | str:
             mib = plan.logits_bytes / 2**20
             return f"too small to pay ({mib:.0f} MiB of float32 logits; chunked above {BUDGET >> 20} MiB)"
         counts = [k for k in counts if k <= MAX_CHUNKS]
+        # where there is one, a count whose every chunk holds rows of every device (a batch
+        # sharded across them is chunked where it lies, with no collective; each device's
+        # share of the logits is cut as much), the smallest enough or else the largest
+        devices = jax.device_count()
+        even = [k for k in counts if all((n // k) % devices == 0 for n in plan.sizes)] if devices > 1 else []
+        if even:
+            return next((k for k in even if k >= want), even[-1])
     if not counts:
         return "no chunk count divides its token axis"
     return next((k for k in counts if k >= want), counts[-1])

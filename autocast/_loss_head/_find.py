@@ -73,6 +73,11 @@ class Plan:
         out_vars: The top-level variables of `outputs`.
         weight: The index in `inputs` of the head's whole operand (the weight), or None where
             the span makes it.
+        inner: For each chunked input and output, its rows per group: chunk `j` of `k` holds
+            the rows `r` of its token axis with `(r // inner) % k == j` (the head's token axis:
+            `inner` 1, every `k`-th row; merged with the axes after it, their size). Chunks so
+            interleaved hold rows of every shard of a batch sharded across devices.
+        sizes: (as above) The number of row groups of each chunked value.
     """
 
     what: str
@@ -87,6 +92,7 @@ class Plan:
     in_vars: tuple[Any, ...]
     out_vars: tuple[Any, ...]
     weight: int | None = None
+    inner: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
     def chunk_counts(self) -> list[int]:
         """The chunk counts this plan allows (those that divide every size), ascending."""
@@ -195,11 +201,14 @@ class _Build:
         self.sliced: dict[int, int] = {}  # values made outside, sliced per chunk (not the span's)
         self.after: set[int] = set()  # values made from reductions over the tokens
         self.relations: dict[int, dict[_axes.Slot, _axes.Axis]] = {}
+        # each chunked value's rows per group (`Plan.inner`): chunk j holds its rows r with
+        # (r // inner) % k == j, so that every chunk has rows of every shard of a sharded batch
+        self.inner: dict[int, int] = {}
         self.no_pull = no_pull
         self.pulled: set[int] = set()
         self._labels: dict[int, bool] = {}
 
-    def add(self, n: int, known: Mapping[_axes.Slot, int]) -> None:
+    def add(self, n: int, known: Mapping[_axes.Slot, int], inner: int | None = None) -> None:
         node = self.g.nodes[n]
         if node.opaque:
             raise _axes.NotLocal(f"`{node.name}` (a call amp does not look into) reads the logits")
@@ -212,34 +221,61 @@ class _Build:
         known = {(("out", to_live[s[1]]) if s[0] == "out" else s): v for s, v in known.items()}
         rel = _axes.relate(node.name, node.params, ins, outs, known)
         rel = {(("out", live[s[1]]) if s[0] == "out" else s): v for s, v in rel.items()}
+        inners = self._inners(node, rel, inner)
         self.relations[n] = rel
         self.members.add(n)
         for j, o in enumerate(node.outs):
             v = rel.get(("out", j))
             if o >= 0 and v is not None:
                 self.axes[o] = v
+                if isinstance(v, int):
+                    self.inner[o] = inners[("out", j)]
         for i, a in enumerate(node.ins):
             need = rel.get(("in", i))
             if isinstance(need, int) and isinstance(a, int):
-                self.demand(a, need)
+                self.demand(a, need, inners[("in", i)])
 
-    def demand(self, a: int, axis: int) -> None:
-        """`a` must be chunked along `axis`: computed per chunk where it is made from labels
-        and constants only and read by the loss only, else sliced."""
+    def _inners(self, node: Node, rel: Mapping[_axes.Slot, _axes.Axis], inner: int | None) -> dict[_axes.Slot, int]:
+        """Each chunked operand's and result's rows per group: the same for all, but across a
+        reshape, where the flat stride `inner * (elements after the axis)` is what stays."""
+        known = {("in", i): self.inner[a] for i, a in enumerate(node.ins) if isinstance(a, int) and a in self.inner}
+        chunked = [s for s, v in rel.items() if isinstance(v, int)]
+        if node.name != "reshape":
+            values = {known[s] for s in chunked if s in known} | ({inner} if inner is not None else set())
+            if len(values) > 1:
+                raise _axes.NotLocal("its operands are chunked in different row groups")
+            one = values.pop() if values else 1
+            return {s: one for s in chunked}
+        src, dst = self.g.shape(node.ins[0]), self.g.avals[node.outs[0]].shape
+        a, b = rel.get(("in", 0)), rel.get(("out", 0))
+        if not isinstance(a, int) or not isinstance(b, int):
+            return {s: (inner or 1) for s in chunked}
+        after_src, after_dst = int(np.prod(src[a + 1 :], dtype=np.int64)), int(np.prod(dst[b + 1 :], dtype=np.int64))
+        if ("in", 0) in known:
+            stride = known[("in", 0)] * after_src
+        else:
+            stride = (inner or 1) * after_dst
+        if stride % after_src or stride % after_dst or src[a] % (stride // after_src) or dst[b] % (stride // after_dst):
+            raise _axes.NotLocal("a reshape splits the chunks' row groups")
+        return {("in", 0): stride // after_src, ("out", 0): stride // after_dst}
+
+    def demand(self, a: int, axis: int, inner: int) -> None:
+        """`a` must be chunked along `axis` in groups of `inner` rows: computed per chunk where
+        it is made from labels and constants only and read by the loss only, else sliced."""
         have = self.axes.get(a, self.sliced.get(a))
         if have is not None:
-            if have != axis:
+            if have != axis or self.inner.get(a, inner) != inner:
                 raise _axes.NotLocal("a value is read chunked along two different axes")
             return
         p = self.g.producer.get(a)
         if p is not None and p not in self.members and p not in self.no_pull and self._broadcast(p, a, axis):
-            self.add(p, {("out", j): axis for j, o in enumerate(self.g.nodes[p].outs) if o == a})
+            self.add(p, {("out", j): axis for j, o in enumerate(self.g.nodes[p].outs) if o == a}, inner)
             self.pulled.add(p)
             return
         if p is not None and p not in self.members and p not in self.no_pull and self._pullable(p):
             outs = self.g.nodes[p].outs
             try:
-                self.add(p, {("out", j): axis for j, o in enumerate(outs) if o == a})
+                self.add(p, {("out", j): axis for j, o in enumerate(outs) if o == a}, inner)
             except _axes.NotLocal:
                 self.members.discard(p)
                 self.no_pull.add(p)
@@ -247,6 +283,7 @@ class _Build:
                 self.pulled.add(p)
                 return
         self.sliced[a] = axis
+        self.inner[a] = inner
 
     def _broadcast(self, n: int, a: int, axis: int) -> bool:
         """Whether node `n` makes the token axis of `a` from whole operands (a bias broadcast
@@ -301,6 +338,7 @@ def _attempt(g: Graph, head: int, operand: int, axis: int, no_pull: set[int]) ->
     b.relations[head] = {("in", operand): free[position], ("in", 1 - operand): None, ("out", 0): axis}
     b.axes[node.outs[0]] = axis
     b.sliced[node.ins[operand]] = free[position]  # the hidden states: sliced, never recomputed
+    b.inner[node.outs[0]] = b.inner[node.ins[operand]] = 1
     w = node.ins[1 - operand]
     p = g.producer.get(w) if isinstance(w, int) else None
     if p is not None and g.nodes[p].name == "transpose" and not g.nodes[p].opaque and g.n_readers(w) == 1:
@@ -373,7 +411,8 @@ def _plan(g: Graph, b: _Build, head: int, what: str) -> tuple[tuple[int, ...], P
     logits_bytes = int(np.prod(g.shape(head_node.outs[0]), dtype=np.int64)) * dt
     nodes = tuple(g.nodes[n] for n in order)
     axes = {**b.sliced, **b.axes}
-    sizes = tuple(sorted({g.shape(i)[v] for i, v in axes.items() if isinstance(v, int)}))
+    sizes = tuple(sorted({g.shape(i)[v] // b.inner[i] for i, v in axes.items() if isinstance(v, int)}))
+    inner = {i: b.inner[i] for i in (*inputs, *outputs) if isinstance(axes.get(i), int)}
     relations = tuple(b.relations[n] for n in order)
     whole = head_node.ins[1] if head_node.ins[0] in b.sliced else head_node.ins[0]
     weight = inputs.index(whole) if whole in inputs else None
@@ -392,5 +431,6 @@ def _plan(g: Graph, b: _Build, head: int, what: str) -> tuple[tuple[int, ...], P
         in_vars,
         out_vars,
         weight,
+        inner,
     )
     return tuple(tops), plan
