@@ -62,10 +62,28 @@ def test_auto_counts_the_devices_and_keeps_the_rows_where_they_lie(sharded, monk
     assert _collectives(_step("auto"), sharded) == _collectives(_step("xla"), sharded)
 
 
-@pytest.mark.parametrize("k", [2, 4])
+_OLD_JAX = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 10)
+
+
+@pytest.mark.parametrize(
+    "k",
+    [
+        2,
+        pytest.param(
+            4,
+            marks=pytest.mark.skipif(
+                _OLD_JAX,
+                reason="JAX 0.9 cannot name the output sharding GSPMD picks for 4 chunks of 16 rows on 8 "
+                "devices (IndivisibleError in pxla.maybe_recover_user_shardings); 'auto' takes 2 there",
+            ),
+        ),
+    ],
+)
 def test_interleaved_chunks_equal_the_head_as_written(sharded, k):
     """Chunk j holds every k-th sequence: values and gradients as the head as written
-    (sharded or not), within two bfloat16 roundings of the gradients made with the loop."""
+    (sharded or not), within two bfloat16 roundings of the gradients made with the loop; 4
+    chunks of 16 rows on 8 devices (a count that leaves some chunks without rows of some
+    device, asked as an int) are exact too, XLA moving the rows."""
     chunked = jax.jit(_step(k))(*sharded)
     written = jax.jit(_step("xla"))(*sharded)
     one_device = _step(k)(*_data())
