@@ -336,12 +336,21 @@ def _attempt(g: Graph, head: int, operand: int, axis: int, no_pull: set[int]) ->
     position = axis - (0 if operand == 0 else lfree)
     b.members.add(head)
     b.relations[head] = {("in", operand): free[position], ("in", 1 - operand): None, ("out", 0): axis}
+    hidden = node.ins[operand]
+    if not isinstance(hidden, int):
+        raise _axes.NotLocal("the hidden states are a literal")
     b.axes[node.outs[0]] = axis
-    b.sliced[node.ins[operand]] = free[position]  # the hidden states: sliced, never recomputed
-    b.inner[node.outs[0]] = b.inner[node.ins[operand]] = 1
+    b.sliced[hidden] = free[position]  # the hidden states: sliced, never recomputed
+    b.inner[node.outs[0]] = b.inner[hidden] = 1
     w = node.ins[1 - operand]
     p = g.producer.get(w) if isinstance(w, int) else None
-    if p is not None and g.nodes[p].name == "transpose" and not g.nodes[p].opaque and g.n_readers(w) == 1:
+    if (
+        p is not None
+        and isinstance(w, int)
+        and g.nodes[p].name == "transpose"
+        and not g.nodes[p].opaque
+        and g.n_readers(w) == 1
+    ):
         # `x @ W.T`: the weight enters the loop as stored (the loop's own layout of a
         # transposed copy costs XLA a padded copy of it and of the logits' cotangent per chunk)
         b.members.add(p)
@@ -349,15 +358,22 @@ def _attempt(g: Graph, head: int, operand: int, axis: int, no_pull: set[int]) ->
     for n in range(head + 1, len(g.nodes)):
         nd = g.nodes[n]
         ids = [a for a in nd.ins if isinstance(a, int)]
-        chunked = {i: b.axes[a] for i, a in enumerate(nd.ins) if isinstance(a, int) and isinstance(b.axes.get(a), int)}
+        chunked: dict[int, int] = {}
+        for i, a in enumerate(nd.ins):
+            v = b.axes.get(a) if isinstance(a, int) else None
+            if isinstance(v, int):
+                chunked[i] = v
         if any(isinstance(b.axes.get(a), str) or a in b.after for a in ids):
             if chunked:
                 raise _axes.NotLocal(f"a reduction over the tokens is read again by `{nd.name}` (it mixes rows)")
             b.after.update(o for o in nd.outs if o >= 0)
             continue
         if chunked and n not in b.members:
-            known = {("in", i): b.sliced[a] for i, a in enumerate(nd.ins) if isinstance(a, int) and a in b.sliced}
-            b.add(n, known | {("in", i): v for i, v in chunked.items()})
+            known: dict[_axes.Slot, int] = {
+                ("in", i): b.sliced[a] for i, a in enumerate(nd.ins) if isinstance(a, int) and a in b.sliced
+            }
+            known.update({("in", i): v for i, v in chunked.items()})
+            b.add(n, known)
     return b
 
 
