@@ -35,7 +35,52 @@ from typing import Any
 
 from . import _compat, _rules
 
-__all__ = ["REWRITES", "Kept", "Rewrite", "Span", "primitives_by_name", "register_rewrite", "rewrite"]
+__all__ = [
+    "REWRITES",
+    "AsWritten",
+    "Kept",
+    "Rewrite",
+    "Span",
+    "primitives_by_name",
+    "register_rewrite",
+    "rewrite",
+    "span_primitive",
+]
+
+
+def span_primitive(name: str, doc: str = "") -> Any:
+    """The primitive a rewrite's spans become: its equation holds the span as written
+    (`body`, plus the rewrite's own parameters), which its evaluation, abstract evaluation
+    and lowering run; the rewrite's rule binds something else in its place."""
+    prim = _compat.Primitive(name)
+    prim.multiple_results = True
+
+    def impl(*args: Any, body: Any, **params: Any) -> list[Any]:
+        return _compat.jaxpr_as_fun(body)(*args)
+
+    def abstract_eval(*avals: Any, body: Any, **params: Any) -> list[Any]:
+        open_, _ = _compat.open_and_consts(body)
+        return [v.aval for v in open_.outvars]
+
+    prim.def_impl(impl)
+    prim.def_abstract_eval(abstract_eval)
+    _compat.register_lowering(prim, _compat.lower_fun(impl, multiple_results=True))
+    return prim
+
+
+class AsWritten(_rules.Rule):
+    """The rule of a policy category that keeps a rewrite's spans as written (`xla_attention`,
+    `xla_loss_head`): map a named scope to it and the spans in it are not rewritten; the
+    scope's other equations keep their own rules."""
+
+    role: _rules.Role = "opaque"
+
+    def __init__(self, name: str, primitive: Any):
+        self.name = name
+        self.primitives = frozenset({primitive.name})
+
+    def cast(self, compute_dtype, original_dtypes, invars, params, free):
+        return list(invars), params
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,31 +33,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _compat, _dtypes, _rewrites, _rules
+from .. import _dtypes, _rewrites, _rules
 from . import _derivatives
 from ._call import call, cudnn_plan, pad_sequences
 from ._find import find
 from ._match import LeftAlone, Match
 
-fused_attention_p = _compat.Primitive("fused_attention")
+fused_attention_p = _rewrites.span_primitive("fused_attention")
 """One attention span of a jaxpr amp evaluates (params: `match`; `plan`, the match as the
 kernel takes it, its sequences maybe padded; `body`, the span's equations; `scopes`; `emit`,
 where and which fused call the rule emits)."""
-fused_attention_p.multiple_results = True
-
-
-def _impl(*args: Any, match: Match, plan: Match, body: Any, scopes: tuple[str, ...], emit: Emit) -> list[Any]:
-    return _compat.jaxpr_as_fun(body)(*args)
-
-
-def _abstract_eval(*avals: Any, match: Match, plan: Match, body: Any, scopes: tuple[str, ...], emit: Emit) -> list[Any]:
-    open_, _ = _compat.open_and_consts(body)
-    return [v.aval for v in open_.outvars]
-
-
-fused_attention_p.def_impl(_impl)
-fused_attention_p.def_abstract_eval(_abstract_eval)
-_compat.register_lowering(fused_attention_p, _compat.lower_fun(_impl, multiple_results=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,20 +143,8 @@ def _recompute(ctx: _rules.RuleContext, plan: Match) -> bool:
     return ctx.remat is True or plan.seq_multiple > 1
 
 
-class _Unfused(_rules.Rule):
-    """Map a named scope to this rule (category `xla_attention`) to keep the attention in it
-    as written: the span is not fused; the scope's other equations keep their own rules."""
-
-    role: _rules.Role = "opaque"
-    name = "xla_attention"
-    primitives = frozenset({"fused_attention"})
-
-    def cast(self, compute_dtype, original_dtypes, invars, params, free):
-        return list(invars), params
-
-
 ATTENTION = _Fused()
-XLA_ATTENTION = _Unfused()
+XLA_ATTENTION = _rewrites.AsWritten("xla_attention", fused_attention_p)
 CATEGORIES = {"attention": ATTENTION, "xla_attention": XLA_ATTENTION}
 """The policy categories this module adds (`autocast._rules.register_category`)."""
 for _name, _rule in CATEGORIES.items():

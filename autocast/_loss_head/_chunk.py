@@ -48,24 +48,9 @@ vocabulary 50,257 this gives 4 chunks, 0.72x the step's XLA temp for 1.04x its m
 at 128,256 and 256,000, 8 chunks, 0.47x and 0.38x for 1.04x. More chunks cost time (the weight
 gradient's float32 accumulator is read and written once a chunk); fewer keep more."""
 
-loss_head_p = _compat.Primitive("loss_head")
+loss_head_p = _rewrites.span_primitive("loss_head")
 """One loss head of a jaxpr amp evaluates (params: `plan`, `chunks`, `chunk`: the span's
 equations at chunk shapes, a closed jaxpr; `body`: the span as written; `scopes`)."""
-loss_head_p.multiple_results = True
-
-
-def _impl(*args: Any, plan: Any, chunks: int, chunk: Any, body: Any, scopes: tuple[str, ...]) -> list[Any]:
-    return _compat.jaxpr_as_fun(body)(*args)
-
-
-def _abstract_eval(*avals: Any, plan: Any, chunks: int, chunk: Any, body: Any, scopes: tuple[str, ...]) -> list[Any]:
-    open_, _ = _compat.open_and_consts(body)
-    return [v.aval for v in open_.outvars]
-
-
-loss_head_p.def_impl(_impl)
-loss_head_p.def_abstract_eval(_abstract_eval)
-_compat.register_lowering(loss_head_p, _compat.lower_fun(_impl, multiple_results=True))
 # the planner looks through the span as written: the hidden states, read by the head's
 # matmul in the compute dtype, are rounded where they are made, as without the rewrite
 _registry.NARROW_BODIES[loss_head_p] = "body"
@@ -94,19 +79,22 @@ class _Chunked(_rules.Rule):
         precast = _precast(ctx, plan, vals)
         weight = None if plan.weight is None else sum(1 for a in in_axes[: plan.weight] if a is None)
 
-        def run(xs_t: Sequence[Any], whole_t: Sequence[Any], cast_w: Any) -> list[Any]:
+        def run(xs_t: Sequence[Any], whole_t: Sequence[Any], cast_w: Any, observed: bool = True) -> list[Any]:
             """The chunk's outputs under amp's rules (`whole_t`: the whole inputs, maybe
-            tracers of a derivative; `cast_w`, the weight's precast, stands in for its cast)."""
+            tracers of a derivative; `cast_w`, the weight's precast, stands in for its cast;
+            `observed`: False for a trace that is not the program, the outputs' shapes)."""
             it, wit = iter(xs_t), iter(whole_t)
             args = [next(it) if a is not None else next(wit) for a in in_axes]
             with contextlib.ExitStack() as stack:
                 stack.enter_context(_dtypes.memoised_casts())
                 if cast_w is not None and weight is not None:
                     stack.enter_context(_dtypes.cast_override(whole_t[weight], cast_w.dtype, lambda: cast_w))
-                return ctx.eval_closed(chunk, args, flags, scopes=params["scopes"], rewrites=False, recomputed=True)
+                return ctx.eval_closed(
+                    chunk, args, flags, scopes=params["scopes"], rewrites=False, observed=observed, recomputed=True
+                )
 
         first = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
-        shapes = jax.eval_shape(lambda *a: _quiet(ctx, chunk, in_axes, whole, flags, params["scopes"], a), *first)
+        shapes = jax.eval_shape(lambda *a: run(a, whole, precast, observed=False), *first)
         forward = _forward.applies(ctx.compute_dtype, shapes, kinds)
         ctx.observer.rewrite("loss_head", plan.what, describe(k, forward))
         if forward:
@@ -149,12 +137,6 @@ def _precast(ctx: Any, plan: _find.Plan, vals: Sequence[Any]) -> Any:
     if _dtypes.dtype_of(w) != _dtypes.FLOAT32 or ctx.compute_dtype not in _dtypes.HALF:
         return None
     return _dtypes.cast(w, ctx.compute_dtype)
-
-
-def _quiet(ctx, chunk, in_axes, whole, flags, scopes, xs_t) -> list[Any]:
-    it, wit = iter(xs_t), iter(whole)
-    args = [next(it) if a is not None else next(wit) for a in in_axes]
-    return ctx.eval_closed(chunk, args, flags, scopes=scopes, rewrites=False, observed=False, recomputed=True)
 
 
 def _accumulator(dtype: Any) -> Any:
@@ -215,20 +197,8 @@ def describe(k: int, forward: bool = False) -> str:
     return f"chunked: {k} token chunks ({how}), float32 accumulation"
 
 
-class _AsWritten(_rules.Rule):
-    """Map a named scope to this rule (category `xla_loss_head`) to keep the loss heads in it
-    as written: the logits are computed whole, as without the rewrite."""
-
-    role: _rules.Role = "opaque"
-    name = "xla_loss_head"
-    primitives = frozenset({"loss_head"})
-
-    def cast(self, compute_dtype, original_dtypes, invars, params, free):
-        return list(invars), params
-
-
 LOSS_HEAD = _Chunked()
-XLA_LOSS_HEAD = _AsWritten()
+XLA_LOSS_HEAD = _rewrites.AsWritten("xla_loss_head", loss_head_p)
 CATEGORIES = {"loss_head": LOSS_HEAD, "xla_loss_head": XLA_LOSS_HEAD}
 """The policy categories this module adds (`autocast._rules.register_category`)."""
 for _name, _rule in CATEGORIES.items():
