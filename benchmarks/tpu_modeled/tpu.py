@@ -171,6 +171,12 @@ def _ratio(r: dict[str, Any], base: dict[str, Any] | None, *keys: str) -> str:
     return f"{a / b:.2f}"
 
 
+def _kernels(k: dict[str, Any]) -> str:
+    """The Mosaic kernels cell: their count, and by name where there are any."""
+    named = k.get("kernels") or {}
+    return f"{k['mosaic_kernels']}: {cell(named)}" if named else str(k["mosaic_kernels"])
+
+
 def table(model: str, results: dict[str, dict[str, Any]]) -> str:
     """One model's systems: memory, cost, census, ratios against fp32 and MPX."""
     rows = [
@@ -191,7 +197,7 @@ def table(model: str, results: dict[str, dict[str, Any]]) -> str:
             f"{_mib(m['peak'])} | {_ratio(r, fp32, 'memory', 'temp')} | {_ratio(r, mpx, 'memory', 'temp')} | "
             f"{c['flops'] / 1e9:,.0f} | {c['bytes_accessed'] / 1e9:,.1f} | "
             f"{_ratio(r, fp32, 'cost', 'bytes_accessed')} | {_ratio(r, mpx, 'cost', 'bytes_accessed')} | "
-            f"{cell(k['matmuls'])} | {k['f32_matmuls']} | {cell(k['convolutions'])} | {k['mosaic_kernels']} | "
+            f"{cell(k['matmuls'])} | {k['f32_matmuls']} | {cell(k['convolutions'])} | {_kernels(k)} | "
             f"{k['jax_loops']} | {r['compile_s']:.0f} |"
         )
     return "\n".join(rows)
@@ -220,7 +226,8 @@ NOTE = (
     "measurement) that counts a loop body once, whatever its trip count: a step with a JAX loop (JAX loops > 0: "
     "amp's loss-head rewrite scans the vocabulary head over token chunks) has its FLOPs and bytes under-counted, "
     "by the loop body times (trips - 1); compare such a step's memory, not its bytes. Matmuls: JAX `dot_general`s, which XLA:TPU writes as convolutions, by the dtypes the MXU "
-    "reads; convolutions: JAX `conv_general_dilated`s; Mosaic kernels: Pallas `tpu_custom_call`s."
+    "reads; convolutions: JAX `conv_general_dilated`s; Mosaic kernels: Pallas `tpu_custom_call`s, by their "
+    "`pallas_call`'s name (splash attention: `splash_mha_fwd*` forward, `splash_mha_dq*`/`splash_mha_dkv*` backward)."
 )
 
 
