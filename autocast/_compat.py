@@ -525,3 +525,20 @@ def hijax_flags() -> dict[str, Any]:
     `HIJAX_FLAGS`): each value is the config state, usable as a context manager
     (`with flags["remat3"](True): ...`)."""
     return {n: state for n in HIJAX_FLAGS if callable(state := _flag_state(n))}
+
+
+def splash_attention() -> Any:
+    """Pallas's TPU splash attention module (`make_splash_mha`, `make_splash_mqa`, the mask
+    classes, `SegmentIds`), or None where this JAX has none. Imported on first use (Pallas's
+    import is not free); pure Python, so it traces on any machine (JAX 0.9.2 .. 0.12 ship it at
+    `jax.experimental.pallas.ops.tpu.splash_attention` with the same names)."""
+    global _SPLASH
+    if _SPLASH is None:
+        try:
+            _SPLASH = importlib.import_module("jax.experimental.pallas.ops.tpu.splash_attention")
+        except ImportError:  # a JAX without Pallas's TPU ops
+            _SPLASH = False
+    return _SPLASH or None
+
+
+_SPLASH: Any = None

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _dtypes, _rewrites, _rules
-from . import _derivatives
+from . import _derivatives, _splash
 from ._call import call, cudnn_plan, pad_sequences
 from ._find import find
 from ._match import LeftAlone, Match
@@ -47,24 +47,52 @@ where and which fused call the rule emits)."""
 
 @dataclasses.dataclass(frozen=True)
 class Emit:
-    """Where the platform choice runs the fused call, and which kernel: `platform` (a
-    `lax.platform_dependent` branch name) and `kernel`, `"cudnn"` or `"xla"`
-    (`jax.nn.dot_product_attention`'s implementation), or a function with that function's
-    arguments but `implementation` (a test's stand-in for the cuDNN call: see `emitting`)."""
+    """Where the platform choice runs a fused call, and which kernel: `branches`, pairs of a
+    `lax.platform_dependent` branch name and a kernel: `"cudnn"` or `"xla"`
+    (`jax.nn.dot_product_attention`'s implementation), `"splash"` (Pallas's TPU splash attention,
+    `_splash`; in interpret mode on a platform other than `tpu`), or a function with
+    `jax.nn.dot_product_attention`'s arguments but `implementation` (a test's stand-in: see
+    `emitting`). The default: cuDNN on CUDA, splash on TPU."""
 
-    platform: str = "cuda"
-    kernel: str | Callable[..., Any] = "cudnn"
+    branches: tuple[tuple[str, str | Callable[..., Any]], ...] = (("cuda", "cudnn"), ("tpu", "splash"))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Branch:
+    """One platform's fused call for one span: `plan` is the match as `kernel` takes it."""
+
+    platform: str
+    kernel: str | Callable[..., Any]
+    plan: Match
 
     def describe(self) -> str:
+        if self.kernel == "splash":
+            return f"{_splash.describe(self.plan)} on {self.platform}"
         kernel = self.kernel if isinstance(self.kernel, str) else "custom"
-        return f"fused ({kernel}) on {self.platform}, else as written"
+        pad = f" (sequences padded to a multiple of {self.plan.seq_multiple})" if self.plan.seq_multiple > 1 else ""
+        return f"{kernel}{pad} on {self.platform}"
 
-    def run(self, plan: Match, inputs: Sequence[Any]) -> list[Any]:
+    def run(self, inputs: Sequence[Any]) -> list[Any]:
         """The span's outputs by the kernel, differentiable in every mode (`_derivatives`)."""
         kernel = self.kernel
-        if isinstance(kernel, str):
+        if kernel == "splash":
+            kernel = _splash.kernel(self.plan, interpret=self.platform != "tpu")
+        elif isinstance(kernel, str):
             kernel = functools.partial(jax.nn.dot_product_attention, implementation=kernel)
-        return call(plan, inputs, attend=_derivatives.differentiable(kernel, _float32_xla))
+        return call(self.plan, inputs, attend=_derivatives.differentiable(kernel, _float32_xla))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Fusion:
+    """A span's fused calls (`branches`, one per platform with a kernel for it) and the
+    platforms that have none, with the reason (`refused`)."""
+
+    branches: tuple[_Branch, ...]
+    refused: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        text = "fused: " + ", ".join(b.describe() for b in self.branches) + ", else as written"
+        return text + "".join(f"; {r}" for r in self.refused)
 
 
 def _float32_xla(q: Any, k: Any, v: Any, *, bias: Any = None, **kwargs: Any) -> Any:
@@ -77,17 +105,19 @@ def _float32_xla(q: Any, k: Any, v: Any, *, bias: Any = None, **kwargs: Any) -> 
     return out.astype(q.dtype)
 
 
-_CUDNN_ON_CUDA = Emit()
-_EMIT: contextvars.ContextVar[Emit] = contextvars.ContextVar("autocast_attention_emit", default=_CUDNN_ON_CUDA)
+_CUDNN_AND_SPLASH = Emit()
+_EMIT: contextvars.ContextVar[Emit] = contextvars.ContextVar("autocast_attention_emit", default=_CUDNN_AND_SPLASH)
 
 
 @contextlib.contextmanager
 def emitting(platform: str, kernel: str | Callable[..., Any]) -> Iterator[Emit]:
-    """Within the block, amp emits the fused call on `platform` with `kernel` (see `Emit`;
-    the default is cuDNN on CUDA). For tests: `emitting("cpu", "xla")` runs the rewrite on a
-    machine without cuDNN (no cuDNN support query), the fused branch being the one that runs.
-    Read when amp traces: a function jitted before the block keeps its program."""
-    emit = Emit(platform, kernel)
+    """Within the block, amp emits the fused call on `platform` with `kernel` only (see
+    `Emit`; the default is cuDNN on CUDA and splash on TPU). For tests: `emitting("cpu", "xla")`
+    runs the rewrite on a machine without cuDNN (no cuDNN support query), the fused branch
+    being the one that runs; `emitting("cpu", "splash")` runs splash attention there, in
+    Pallas's interpret mode. Read when amp traces: a function jitted before the block keeps
+    its program."""
+    emit = Emit(((platform, kernel),))
     token = _EMIT.set(emit)
     try:
         yield emit
@@ -109,10 +139,10 @@ class _Fused(_rules.Rule):
         return list(invars), params  # the kernel casts q, k, v itself; the equations by their rules
 
     def bind(self, ctx, eqn, arrived, cast, params, free):
-        match, plan, body, scopes, emit = (params[k] for k in ("match", "plan", "body", "scopes", "emit"))
+        match, fusion, body, scopes = (params[k] for k in ("match", "emit", "body", "scopes"))
         n = len(match.inputs)
         flags = list(free or [False] * len(arrived))
-        ctx.observer.rewrite("attention", match.describe(), emit.describe())
+        ctx.observer.rewrite("attention", match.describe(), fusion.describe())
 
         def original(*ops: Any) -> list[Any]:  # the span's equations, as written
             return ctx.eval_closed(body, ops, flags, scopes=scopes, rewrites=False)
@@ -122,13 +152,16 @@ class _Fused(_rules.Rule):
             lambda *a: ctx.eval_closed(body, a, flags, scopes=scopes, rewrites=False, observed=False), *arrived
         )
 
-        def fused(*ops: Any) -> list[Any]:
-            return [o.astype(s.dtype) for o, s in zip(emit.run(plan, ops[:n]), shapes)]
+        def fused(branch: _Branch) -> Callable[..., list[Any]]:
+            def run(*ops: Any) -> list[Any]:
+                return [o.astype(s.dtype) for o, s in zip(branch.run(ops[:n]), shapes)]
 
-        if _recompute(ctx, plan):
-            fused = jax.checkpoint(fused, policy=jax.checkpoint_policies.nothing_saveable)
+            if _recompute(ctx, branch.plan):
+                return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)
+            return run
 
-        return list(jax.lax.platform_dependent(*arrived, **{emit.platform: fused}, default=original))
+        branches = {b.platform: fused(b) for b in fusion.branches}
+        return list(jax.lax.platform_dependent(*arrived, **branches, default=original))
 
 
 def _recompute(ctx: _rules.RuleContext, plan: Match) -> bool:
@@ -154,15 +187,20 @@ for _name, _rule in CATEGORIES.items():
 # traces with: one trace per kind of span, not per trace of it. Only successes are kept: a
 # failure may be the machine's state at that moment (cuDNN not loaded yet), and on a machine
 # without cuDNN the query fails at once.
-_PLANS: dict[tuple, int] = {}
+_PLANS: dict[tuple, int | str] = {}
+
+
+def _key(match: Match) -> tuple:
+    return (match.describe(), tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in match.inputs))
 
 
 def _plan_for(match: Match) -> Match | str:
     """`cudnn_plan` of `match` (the match to emit, or why there is none), its successes
     memoised on what the match is and its operands' shapes and dtypes."""
-    key = (match.describe(), tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in match.inputs))
-    if key in _PLANS:
-        return pad_sequences(match, _PLANS[key])
+    key = _key(match)
+    got = _PLANS.get(key)
+    if isinstance(got, int):
+        return pad_sequences(match, got)
     plan = cudnn_plan(match)
     if not isinstance(plan, str):
         _PLANS[key] = plan.seq_multiple
@@ -183,15 +221,39 @@ def _spans(jaxpr: Any, consts: Sequence[Any], compute_dtype: Any) -> list[_rewri
     ]
 
 
+def _splash_plan_for(match: Match) -> Match | str:
+    """`tpu_plan` of `match`, its answers memoised as `_plan_for`'s (it depends on the match
+    and its operands only: no machine state)."""
+    key = ("splash", *_key(match))
+    if key not in _PLANS:
+        plan = _splash.tpu_plan(match)
+        _PLANS[key] = plan if isinstance(plan, str) else plan.seq_multiple
+    got = _PLANS[key]
+    return got if isinstance(got, str) else pad_sequences(match, got)
+
+
 def _prepare(span: _rewrites.Span, setting: Any = None) -> dict[str, Any] | str:
     """The `fused_attention` equation's parameters for a span the policy lets fuse: its
-    `match`, the `plan` the kernel takes (`cudnn_plan`, where it traces) and where it is
-    emitted (`emitting`); or why there is no fused kernel here."""
-    match, emit = span.found, _EMIT.get()
-    plan = _plan_for(match) if emit.kernel == "cudnn" else match
-    if isinstance(plan, str):
-        return f"no fused kernel here (cuDNN: {plan})"
-    return {"match": match, "plan": plan, "emit": emit}
+    `match` and the fused call per platform (`emit`, a `_Fusion`: the `plan` each kernel takes,
+    `cudnn_plan` and `tpu_plan` where they trace, the platforms `emitting` names); or why there
+    is no fused kernel here."""
+    match = span.found
+    branches, refused = [], []
+    for platform, kernel in _EMIT.get().branches:
+        if kernel == "cudnn":
+            plan: Match | str = _plan_for(match)
+            plan = plan if not isinstance(plan, str) else f"cuDNN: {plan}"
+        elif kernel == "splash":
+            plan = _splash_plan_for(match)
+        else:
+            plan = match
+        if isinstance(plan, str):
+            refused.append((platform, plan))
+        else:
+            branches.append(_Branch(platform, kernel, plan))
+    if not branches:
+        return "no fused kernel here (" + "; ".join(why for _, why in refused) + ")"
+    return {"match": match, "emit": _Fusion(tuple(branches), tuple(f"{p}: as written ({why})" for p, why in refused))}
 
 
 REWRITE = _rewrites.register_rewrite("attention", fused_attention_p, _spans, ATTENTION, _prepare)
