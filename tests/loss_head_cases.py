@@ -81,7 +81,7 @@ def with_ignored(y: Any) -> Any:
 
 def _optax_flat(h, p, w, y):
     logits = logits_of(h, p, w)
-    return optax.softmax_cross_entropy_with_integer_labels(logits.reshape(-1, V), y.reshape(-1)).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits.reshape(-1, w.shape[0]), y.reshape(-1)).mean()
 
 
 def _optax_btv(h, p, w, y):
@@ -89,7 +89,7 @@ def _optax_btv(h, p, w, y):
 
 
 def _optax_one_hot(h, p, w, y):
-    return optax.softmax_cross_entropy(logits_of(h, p, w), jax.nn.one_hot(y, V)).mean()
+    return optax.softmax_cross_entropy(logits_of(h, p, w), jax.nn.one_hot(y, w.shape[0])).mean()
 
 
 def _log_softmax_take(h, p, w, y):
@@ -135,7 +135,7 @@ def _ignore_index(h, p, w, y):
 
 
 def _smooth_optax(h, p, w, y):
-    labels = optax.smooth_labels(jax.nn.one_hot(y, V), 0.1)
+    labels = optax.smooth_labels(jax.nn.one_hot(y, w.shape[0]), 0.1)
     return optax.softmax_cross_entropy(logits_of(h, p, w), labels).mean()
 
 

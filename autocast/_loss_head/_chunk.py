@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat, _dtypes, _registry, _rewrites, _rules
-from . import _axes, _find, _forward
+from . import _axes, _find, _forward, _pad
 
 BUDGET = 512 << 20
 """The float32 logits one chunk may hold under `loss_head="auto"` (bytes). Measured on the
@@ -71,6 +71,8 @@ class _Chunked(_rules.Rule):
         plan, k, chunk = params["plan"], params["chunks"], params["chunk"]
         n = len(plan.inputs)
         vals, flags = list(arrived[:n]), list(free or [False] * len(arrived))[:n]
+        if plan.pad is not None:  # the chunks' matmuls read the weight padded once (`_pad`)
+            vals[plan.pad.input] = _pad.weight(vals[plan.pad.input], plan.pad)
         in_axes = [plan.axes.get(i) for i in plan.inputs]
         kinds = [plan.axes[o] for o in plan.outputs]
         whole = [v for v, a in zip(vals, in_axes) if a is None]
@@ -96,7 +98,7 @@ class _Chunked(_rules.Rule):
         first = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
         shapes = jax.eval_shape(lambda *a: run(a, whole, precast, observed=False), *first)
         forward = _forward.applies(ctx.compute_dtype, shapes, kinds)
-        ctx.observer.rewrite("loss_head", plan.what, describe(k, forward))
+        ctx.observer.rewrite("loss_head", plan.what, describe(k, forward, plan.pad))
         if forward:
             return _forward.with_gradients(run, xs, whole, precast, shapes)
 
@@ -191,10 +193,12 @@ def _merge(y: Any, axis: int, inner: int) -> Any:
     return jnp.reshape(y, out)
 
 
-def describe(k: int, forward: bool = False) -> str:
-    """What explain says of a chunked head (`forward`: its gradients made with the loop)."""
+def describe(k: int, forward: bool = False, pad: _pad.Pad | None = None) -> str:
+    """What explain says of a chunked head (`forward`: its gradients made with the loop;
+    `pad`: how its vocabulary is padded for the matmuls)."""
     how = "lax.scan, gradients with the forward pass" if forward else "lax.scan + checkpoint"
-    return f"chunked: {k} token chunks ({how}), float32 accumulation"
+    padded = "" if pad is None else f", the matmuls' vocabulary padded {pad.size:,} -> {pad.padded:,}"
+    return f"chunked: {k} token chunks ({how}), float32 accumulation{padded}"
 
 
 LOSS_HEAD = _Chunked()
@@ -274,17 +278,21 @@ def _chunk_jaxpr(plan: _find.Plan, k: int) -> Any:
     """The span's equations at chunk shapes, as a closed jaxpr over the plan's inputs (each
     chunked one `1/k` of its token axis)."""
     avals = []
-    for i, var in zip(plan.inputs, plan.in_vars):
+    for j, (i, var) in enumerate(zip(plan.inputs, plan.in_vars)):
         aval = var.aval
         a = plan.axes.get(i)
         if isinstance(a, int):
             aval = aval.update(shape=_axes._divided(aval.shape, a, k))
+        if plan.pad is not None and j == plan.pad.input:
+            shape = list(aval.shape)
+            shape[plan.pad.axis] = plan.pad.padded
+            aval = aval.update(shape=tuple(shape))
         avals.append(aval)
 
     def replay(*args: Any) -> list[Any]:
         env: dict[int, Any] = dict(zip(plan.inputs, args))
         env.update(plan.consts)
-        for node, rel in zip(plan.nodes, plan.relations):
+        for index, (node, rel) in enumerate(zip(plan.nodes, plan.relations)):
             ins = [np.asarray(a.val, dtype=a.aval.dtype) if not isinstance(a, int) else env[a] for a in node.ins]
             params = _axes.at_chunk(node.name, node.params, rel, k)
             ctx = (
@@ -295,6 +303,8 @@ def _chunk_jaxpr(plan: _find.Plan, k: int) -> Any:
             else:
                 with ctx:
                     outs = _compat.bind(node.prim, ins, params)
+            if index == plan.head and plan.pad is not None:
+                outs = [_pad.logits(outs[0], plan.pad)]
             for o, val in zip(node.outs, outs):
                 if o >= 0:
                     env[o] = val

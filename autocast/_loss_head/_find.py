@@ -42,7 +42,7 @@ import numpy as np
 
 from .. import _compat, _dtypes
 from .._attention._graph import Graph, Lit, Node
-from . import _axes, _vocab
+from . import _axes, _pad, _vocab
 
 AMPLIFY = 8
 """How many times the hidden states' elements the head's result must have: the vocabulary at
@@ -78,6 +78,8 @@ class Plan:
             `inner` 1, every `k`-th row; merged with the axes after it, their size). Chunks so
             interleaved hold rows of every shard of a batch sharded across devices.
         sizes: (as above) The number of row groups of each chunked value.
+        head: The index in `nodes` of the head's matmul.
+        pad: How its vocabulary is padded for the chunks' matmuls (`_pad`), or None.
     """
 
     what: str
@@ -93,6 +95,8 @@ class Plan:
     out_vars: tuple[Any, ...]
     weight: int | None = None
     inner: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    head: int = -1
+    pad: _pad.Pad | None = None
 
     def chunk_counts(self) -> list[int]:
         """The chunk counts this plan allows (those that divide every size), ascending."""
@@ -448,5 +452,7 @@ def _plan(g: Graph, b: _Build, head: int, what: str) -> tuple[tuple[int, ...], P
         out_vars,
         weight,
         inner,
+        order.index(head),
+        _pad.find(nodes, order.index(head), axes, inputs, g.shape),
     )
     return tuple(tops), plan
