@@ -542,3 +542,16 @@ def splash_attention() -> Any:
 
 
 _SPLASH: Any = None
+
+
+def partitioned_tpus() -> int:
+    """How many TPU devices XLA may partition a program traced here over (GSPMD / Shardy): 1
+    inside a `shard_map` manual over every axis of its mesh (each device runs its own shard's
+    program) and where the default backend is not a TPU (a CPU or GPU machine: a deviceless
+    compile's target is not visible at trace time), else the TPU backend's device count.
+    `jax.sharding.get_abstract_mesh` and `AbstractMesh.manual_axes`: JAX 0.9.2 .. 0.12."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(getattr(mesh, "axis_names", ()))
+    if names and set(getattr(mesh, "manual_axes", ())) == set(names):
+        return 1
+    return jax.device_count() if jax.default_backend() == "tpu" else 1

@@ -98,6 +98,14 @@ def local_window(q, k, v):
     return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
 
 
+def window_and_lengths(q, k, v, lengths):  # rows whose window holds no key below the length
+    rows, cols = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    keep = (cols <= rows) & (rows - cols <= WINDOW) & (cols[None] < lengths[:, None, None])
+    s = jnp.where(keep[:, None], s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+
+
 def _per_head_mask(n, t):  # a prefix-LM mask per head: head i sees a prefix of 16 * (i + 1) keys
     rows, cols = np.indices((t, t))
     return np.stack([(cols <= rows) | (cols < 16 * (i + 1)) for i in range(n)])
@@ -146,6 +154,7 @@ CASES = {
     "vit_197_tokens": lambda: (vit_tokens, _qkv(t=197)),
     "gqa_causal": lambda: (gqa_causal, _qkv(n=4, kv=2)),
     "local_window": lambda: (local_window, _qkv()),
+    "window_and_lengths_with_empty_rows": lambda: (window_and_lengths, (*_qkv(b=2), jnp.array([50, 128], jnp.int32))),
     "per_head_mask": lambda: (per_head_mask, _qkv()),
     "flax_linen": _flax_linen,
     "equinox": _equinox,
@@ -178,8 +187,10 @@ def _rel(a, b) -> float:
 
 
 def _grad(loss, xs, rest, **amp_kwargs):
+    """(value and gradients, the jaxpr they ran)."""
     fn = autocast.amp(loss, **amp_kwargs) if amp_kwargs else loss
-    return jax.jit(jax.value_and_grad(fn, argnums=tuple(range(len(xs)))))(*xs, *rest)
+    traced = jax.jit(jax.value_and_grad(fn, argnums=tuple(range(len(xs))))).trace(*xs, *rest)
+    return traced.lower().compile()(*xs, *rest), traced.jaxpr
 
 
 def _splash_calls(closed) -> int:
@@ -203,26 +214,36 @@ def test_splash_matches_the_span_as_written_and_float32(name, splash_on_cpu):
     program's distance from float32 (times a small margin), and close to the unfused program
     itself; the jaxpr holds splash's kernel in the platform choice."""
     loss, xs, rest = _problem(*CASES[name]())
-    closed = jax.make_jaxpr(autocast.amp(loss, compute_dtype=BF16))(*xs, *rest)
-    assert _splash_calls(closed) >= 1, "the span was not fused with splash"
-    ref = _grad(loss, xs, rest)
-    got = _grad(loss, xs, rest, compute_dtype=BF16)
-    xla = _grad(loss, xs, rest, compute_dtype=BF16, attention="xla")
+    ref, _ = _grad(loss, xs, rest)
+    got, closed = _grad(loss, xs, rest, compute_dtype=BF16)
+    xla, _ = _grad(loss, xs, rest, compute_dtype=BF16, attention="xla")
+    assert _splash_calls(closed) >= 2, "the span was not fused with splash"  # (its forward and backward)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(got))
     err, unfused = _rel(got, ref), _rel(xla, ref)
     assert err <= 3 * unfused + 2e-2, (err, unfused)
     assert _rel(got, xla) <= 3 * unfused + 2e-2, (_rel(got, xla), unfused)
 
 
-def test_fully_masked_rows_are_the_mean_of_the_values(splash_on_cpu):
+def test_fully_masked_rows_are_the_mean_of_the_values_or_nan(splash_on_cpu):
     """A batch whose length is 0: every row of it is the mean of the values, as in the
-    original (its softmax is uniform over equal fills) and in the cuDNN branch."""
+    original (its softmax is uniform over equal fills) and in the cuDNN branch; NaN where the
+    fill is -inf, as in the original. The other batch's rows are the original's."""
     q, k, v = _qkv(b=2)
     lengths = jnp.array([100, 0], jnp.int32)
     out = autocast.amp(kv_lengths, compute_dtype=BF16)(q, k, v, lengths)
     want = jnp.broadcast_to(jnp.mean(v[1].astype(BF16).astype(jnp.float32), axis=0), out[1].shape)
     np.testing.assert_allclose(np.asarray(out[1], np.float32), np.asarray(want), atol=1e-2)
     np.testing.assert_allclose(np.asarray(out[0], np.float32), np.asarray(kv_lengths(q, k, v, lengths)[0]), atol=5e-2)
+
+    def neg_inf(q, k, v, lengths):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+        s = jnp.where((jnp.arange(k.shape[1])[None, :] < lengths[:, None])[:, None, None, :], s, -jnp.inf)
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+
+    closed = jax.make_jaxpr(autocast.amp(neg_inf, compute_dtype=BF16))(q, k, v, lengths)
+    assert _splash_calls(closed) >= 1
+    out = autocast.amp(neg_inf, compute_dtype=BF16)(q, k, v, lengths)
+    assert bool(jnp.all(jnp.isnan(out[1]))) and bool(jnp.all(jnp.isfinite(out[0])))
 
 
 # --- every transformation ---------------------------------------------------------------------
@@ -320,6 +341,32 @@ def test_the_switch_and_the_policy_turn_the_tpu_branch_off(tmp_path):
     assert fused(amp_policy=autocast.load_policy(table)) == 1
 
 
+def test_several_tpus_outside_shard_map_keep_the_span_as_written(monkeypatch):
+    """XLA cannot partition a Mosaic kernel: where a program may run on several TPUs (the
+    default backend a TPU with more than one device) splash is refused, with the reason, unless
+    amp traces inside a shard_map manual over every mesh axis."""
+    from jax.sharding import PartitionSpec
+
+    from autocast import _compat
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    n = jax.device_count()
+    assert _compat.partitioned_tpus() == n
+    mesh = jax.make_mesh((n,), ("x",))
+    seen = []
+
+    def body(x):
+        seen.append(_compat.partitioned_tpus())
+        return x
+
+    shard_map = jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec())
+    jax.jit(shard_map).trace(jnp.ones((n,)))
+    assert seen == [1]
+    if n > 1:  # (the suite's eight simulated devices, tests/conftest.py)
+        (kernel,) = _kernels(gpt2_causal, *_qkv())
+        assert f"splash: {n} TPU devices outside shard_map" in kernel, kernel
+
+
 # --- the CPU program ------------------------------------------------------------------------
 
 
@@ -328,7 +375,7 @@ def _compiled(fn, *args) -> str:
     return re.sub(r"(, metadata=\{[^}]*\})|(stack_frame_id=\d+)", "", text)
 
 
-@pytest.mark.parametrize("name", ["gpt2_causal", "vit_197_tokens", "kv_lengths_with_an_empty_batch"])
+@pytest.mark.parametrize("name", ["gpt2_causal", "key_mask_bias"])
 def test_the_cpu_program_is_unchanged_by_the_tpu_branch(name):
     """By default (cuDNN on CUDA, splash on TPU) the span is a platform choice on every
     machine; lowered for the CPU, only its default branch is: the compiled program is the one

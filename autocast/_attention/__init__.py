@@ -70,23 +70,26 @@ call sets that explicitly. Odd sequence lengths are padded by `pad_sequences` /
 `autocast._rewrites` (the door of whole-program rewrites; the interpreter and the policy
 import nothing of this package), which applies it to each jaxpr amp evaluates before it is
 planned: for each `Match` that `find` returns and the policy lets fuse, `cudnn_plan`
-gives the match to emit (its sequences maybe padded) or why there is none, and the span's
-equations become one `fused_attention` equation whose rule binds `call` on CUDA and the
+(cuDNN, on CUDA) and `tpu_plan` (Pallas's splash attention, on TPU: `_splash`) give the match
+to emit (its sequences maybe padded) or why there is none, and the span's equations become
+one `fused_attention` equation whose rule binds `call` with each platform's kernel and the
 span's own equations elsewhere (`lax.platform_dependent`). The kernel in `call` is
 differentiable in every mode (`_derivatives`: its own backward pass for a first-order
 gradient, XLA's attention in float32 for forward mode and higher orders). `explain` lists
-each attention and what became of it: fused, or kept as written and why (a `LeftAlone`'s
-reason, the policy, or no cuDNN kernel).
+each attention and what became of it: fused (on which platform, by which kernel), or kept
+as written and why (a `LeftAlone`'s reason, the policy, or no cuDNN or TPU kernel).
 
 The extracted call itself is `call` (`implementation="xla"` runs anywhere: the
 tests compare it with the replaced equations, values and gradients). Tests emit the
-fused branch on CPU with `_fuse.emitting("cpu", "xla")` (or a stand-in kernel).
+fused branch on CPU with `_fuse.emitting("cpu", "xla")` (or a stand-in kernel), and the
+TPU branch with `_fuse.emitting("cpu", "splash")` (Pallas's interpret mode).
 """
 
 from . import _fuse  # noqa: F401  (registers the rewrite and its policy categories)
 from ._call import call, cudnn_error, cudnn_plan, pad_sequences
 from ._find import find
 from ._match import LeftAlone, Mask, MaskKind, Match, Operand
+from ._splash import tpu_plan
 
 __all__ = [
     "LeftAlone",
@@ -99,4 +102,5 @@ __all__ = [
     "cudnn_plan",
     "find",
     "pad_sequences",
+    "tpu_plan",
 ]

@@ -10,15 +10,20 @@ rule of `fused_attention` under the span's named scopes is `ATTENTION`, not
 `fused_attention_p` that holds the match and the span as a closed jaxpr (its `body`).
 The planner sees one opaque equation; its rule, `_Fused`, binds it:
 
-- a span is fused only where the cuDNN call traces (`cudnn_plan`: a machine with a CUDA
-  jaxlib and cuDNN, a deviceless compile for a GPU included); elsewhere (no cuDNN, a shape it
-  rejects) its equations stay as they are, and the program is exactly what it was;
-- the rule binds it as `lax.platform_dependent`: on CUDA the fused kernel
-  (`jax.nn.dot_product_attention(..., implementation="cudnn")` on q, k and v in the compute
-  dtype, whose residuals are q, k, v, the output and a float32 row statistic: no softmax
-  island to recompute), elsewhere the span's own equations under amp's rules.
+- a span is fused where a platform has a kernel for it (`Emit`: cuDNN on CUDA where the
+  cuDNN call traces, `cudnn_plan`: a machine with a CUDA jaxlib and cuDNN, a deviceless
+  compile for a GPU included; Pallas's splash attention on TPU where `_splash.tpu_plan`
+  takes it, on every machine); where none has (no cuDNN and a match splash refuses) its
+  equations stay as they are, and the program is exactly what it was;
+- the rule binds it as `lax.platform_dependent`: one branch per such platform, the fused
+  kernel (on CUDA `jax.nn.dot_product_attention(..., implementation="cudnn")`, on TPU splash
+  attention, both on q, k and v in the compute dtype, whose residuals are q, k, v, the output
+  and a float32 row statistic: no softmax island to recompute), elsewhere the span's own
+  equations under amp's rules. Lowering keeps only the branch of the platform compiled for:
+  the CPU program is the one the span as written gives.
 
-`explain` lists each attention: the kernel chosen and why, or why it was left alone.
+`explain` lists each attention: the kernel chosen on each platform, and why a platform has
+none, or why it was left alone.
 """
 
 from __future__ import annotations
@@ -244,7 +249,8 @@ def _prepare(span: _rewrites.Span, setting: Any = None) -> dict[str, Any] | str:
             plan: Match | str = _plan_for(match)
             plan = plan if not isinstance(plan, str) else f"cuDNN: {plan}"
         elif kernel == "splash":
-            plan = _splash_plan_for(match)
+            # (interpreted elsewhere: plain XLA, which partitions)
+            plan = (_splash.partition_refusal() if platform == "tpu" else None) or _splash_plan_for(match)
         else:
             plan = match
         if isinstance(plan, str):

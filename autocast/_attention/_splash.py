@@ -75,6 +75,18 @@ def tpu_plan(match: Match) -> Match | str:
     return plan if err is None else f"splash: {err}"
 
 
+def partition_refusal() -> str | None:
+    """Why splash cannot run in a program traced here, or None: XLA cannot partition a Mosaic
+    kernel (a `jit` over several TPU devices fails to lower with one), so it runs only where the
+    program runs on one TPU or inside a `shard_map` manual over every mesh axis
+    (`_compat.partitioned_tpus`). Not part of `tpu_plan`: it depends on where amp traces, not on
+    the match."""
+    n = _compat.partitioned_tpus()
+    if n > 1:
+        return f"splash: {n} TPU devices outside shard_map (XLA cannot partition a Mosaic kernel)"
+    return None
+
+
 def _refusal(match: Match) -> str | None:
     prog, lay = match.program, match.layout
     if _compat.splash_attention() is None:
