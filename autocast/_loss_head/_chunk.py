@@ -43,9 +43,9 @@ from . import _axes, _find, _forward, _pad
 BUDGET = 512 << 20
 """The float32 logits one chunk may hold under `loss_head="auto"` (bytes). Measured on the
 deviceless H100 target, GPT-2 small's body at 8 x 1024 tokens, amp bf16, gradients with the
-forward pass (benchmarks/results/gpu_modeled/loss-head-forward-2026-11-28/): at the
-vocabulary 50,257 this gives 4 chunks, 0.72x the step's XLA temp for 1.04x its modeled time;
-at 128,256 and 256,000, 8 chunks, 0.47x and 0.38x for 1.04x. More chunks cost time (the weight
+forward pass, the vocabulary padded (benchmarks/results/gpu_modeled/loss-head-padded-2026-11-28/):
+at the vocabulary 50,257 this gives 4 chunks, 0.70x the step's XLA temp for 1.03x its modeled
+time; at 128,256 and 256,000, 8 chunks, 0.47x and 0.38x for 1.04x. More chunks cost time (the weight
 gradient's float32 accumulator is read and written once a chunk); fewer keep more."""
 
 loss_head_p = _rewrites.span_primitive("loss_head")
