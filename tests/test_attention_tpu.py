@@ -60,6 +60,12 @@ def jaxnn_causal(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
 
+def jaxnn_lengths(q, k, v, q_lengths, kv_lengths):
+    return jax.nn.dot_product_attention(
+        q, k, v, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, implementation="xla"
+    )
+
+
 def kv_lengths(q, k, v, lengths):  # BERT-style padding by lengths; a length 0 masks every row
     s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
     keep = jnp.arange(k.shape[1])[None, :] < lengths[:, None]
@@ -149,6 +155,10 @@ def _equinox():
 CASES = {
     "gpt2_causal": lambda: (gpt2_causal, _qkv()),
     "jaxnn_causal_head_dim_128": lambda: (jaxnn_causal, _qkv(h=128)),
+    "jaxnn_query_and_key_lengths": lambda: (
+        jaxnn_lengths,
+        (*_qkv(b=2), jnp.array([128, 60], jnp.int32), jnp.array([100, 0], jnp.int32)),
+    ),
     "kv_lengths_with_an_empty_batch": lambda: (kv_lengths, (*_qkv(b=2), jnp.array([100, 0], jnp.int32))),
     "key_mask_bias": lambda: (key_mask_bias, (*_qkv(b=2), jnp.asarray(np.arange(128)[None] < [[90], [128]]))),
     "vit_197_tokens": lambda: (vit_tokens, _qkv(t=197)),

@@ -45,9 +45,10 @@ from ._find import find
 from ._match import LeftAlone, Match
 
 fused_attention_p = _rewrites.span_primitive("fused_attention")
-"""One attention span of a jaxpr amp evaluates (params: `match`; `plan`, the match as the
-kernel takes it, its sequences maybe padded; `body`, the span's equations; `scopes`; `emit`,
-where and which fused call the rule emits)."""
+"""One attention span of a jaxpr amp evaluates (params: `match`; `emit`, a `_Fusion`: per
+platform with a kernel for it, the kernel and the match as it takes it (its `plan`, the
+sequences maybe padded), and the platforms without one, with the reason; `body`, the span's
+equations; `scopes`)."""
 
 
 @dataclasses.dataclass(frozen=True)
