@@ -76,10 +76,12 @@ def kernel_name(ins: H.Instr) -> str:
 def attention_kernels(kernels: dict[str, int]) -> dict[str, int]:
     """Splash (or flash) attention kernels of a census's ``kernels``: ``{"forward": n, "backward": n}``.
 
-    A name with ``splash`` or ``flash`` in it is attention; ``fwd`` in it makes it a forward
-    kernel, ``dkv`` or ``bwd`` a backward one (the kernel that makes the keys' and values'
-    gradients: one per layer whether splash fuses the query's gradient into it or not); a
-    separate ``dq`` kernel is counted in neither.
+    A name with ``splash`` or ``flash`` in it is attention (splash's names are
+    ``splash_{mha|mqa}_{fwd|dq|dkv}[_segmented]{_residuals|_no_residuals}``, flash's its kernel
+    functions': ``_flash_attention_kernel``, ``_flash_attention_dkv_kernel``, ...). ``dkv`` or
+    ``bwd`` in it makes it a backward kernel (the one that makes the keys' and values' gradients:
+    one per layer whether splash fuses the query's gradient into it or not); a separate ``dq``
+    kernel is counted in neither; any other is a forward kernel.
 
     Example::
 
@@ -91,10 +93,10 @@ def attention_kernels(kernels: dict[str, int]) -> dict[str, int]:
         low = name.lower()
         if "splash" not in low and "flash" not in low:
             continue
-        if "fwd" in low:
-            out["forward"] += n
-        elif "dkv" in low or "bwd" in low:
+        if "dkv" in low or "bwd" in low:
             out["backward"] += n
+        elif "_dq" not in low:
+            out["forward"] += n
     return out
 
 
