@@ -29,7 +29,7 @@ a traced key mask where a row may be fully masked, float16 operands (a TPU compu
 bfloat16), head dimensions splash does not take.
 
 Numerics. splash takes no scale: the kernel multiplies q by it in float32 and rounds the
-product to bfloat16, one rounding (at most 2**-9 relative per element of q) that the original
+product to bfloat16, one rounding (at most 2**-8 relative per element of q) that the original
 (the scale on the float32 scores) does not have; none where the scale is a power of two
 (`1 / sqrt(d)` for d = 16, 64, 256). The scores are accumulated in float32, the softmax's
 statistics are float32, the probabilities are rounded to bfloat16 for the value product, as in
