@@ -25,5 +25,7 @@ cd "$PROJECT_ROOT"
 export JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 AUTOCAST_TPU_LANE=1
 # libtpu prints errors about TPU worker hostnames and the accelerator type when it loads (before
 # its log-level settings are read): harmless for compiling
-# two workers (--dist loadgroup): each train step compiles once, on one worker, two at a time
-"$VENV_PYTHON" -m pytest -p no:cacheprovider -n 2 --dist loadgroup -q tests/test_tpu_program.py "$@"
+# two workers (--dist loadscope): the tests of one train step are one class, run on one worker, so
+# that each step compiles once, two at a time (xdist_group marks with --dist loadgroup did not
+# group them under pytest 9.2 and xdist 3.8)
+"$VENV_PYTHON" -m pytest -p no:cacheprovider -n 2 --dist loadscope -q tests/test_tpu_program.py "$@"
