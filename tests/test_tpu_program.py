@@ -167,6 +167,42 @@ def test_census_names_mosaic_kernels_written_over_several_lines():
     assert K.attention_kernels({"my_kernel": 3}) == {"forward": 0, "backward": 0}
 
 
+_FUSION_HLO = """\
+HloModule jit_train_step, is_scheduled=true
+
+%fused_head (p0: bf16[4,8], p1: f32[4]) -> (bf16[4,8], f32[4,8]) {
+  %p0 = bf16[4,8]{1,0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  %widened = f32[4,8]{1,0} convert(%p0), metadata={op_name="jit(train_step)/jvp()/convert_element_type"}
+  %b = f32[4,8]{1,0} broadcast(%p1), dimensions={0}
+  %cot = f32[4,8]{1,0} subtract(%widened, %b), metadata={op_name="jit(train_step)/transpose(jvp())/add_any"}
+  %narrow = bf16[4,8]{1,0} convert(%cot)
+  ROOT %tuple.1 = (bf16[4,8]{1,0}, f32[4,8]{1,0}) tuple(%narrow, %widened)
+}
+
+ENTRY %main (a: bf16[4,8], c: f32[4]) -> bf16[4,8] {
+  %a = bf16[4,8]{1,0} parameter(0)
+  %c = f32[4]{0} parameter(1)
+  %fusion.9 = (bf16[4,8]{1,0}, f32[4,8]{1,0}) fusion(%a, %c), kind=kLoop, calls=%fused_head, metadata={op_name="jit(train_step)/transpose(jvp())/add_any"}
+  ROOT %out = bf16[4,8]{1,0} get-tuple-element(%fusion.9), index=0
+}
+"""
+
+
+def test_buffers_name_each_output_of_a_multi_output_fusion_by_its_own_op_name():
+    # XLA gives a multi-output fusion one op_name (here its first output's); the value at each
+    # index is what the fused computation's ROOT tuple puts there (through converts)
+    from benchmarks.gpu_modeled import hlo_model as H
+    from benchmarks.tpu_modeled import buffers as B
+
+    _, comps = H.parse(_FUSION_HLO)
+    instrs = {i.name: i for body in comps.values() for i in body}
+    assert B.fusion_output("fusion.9", "{1}", comps, instrs) == "jit(train_step)/jvp()/convert_element_type"
+    assert B.fusion_output("fusion.9", "{0}", comps, instrs) == "jit(train_step)/transpose(jvp())/add_any"
+    assert B.fusion_output("fusion.9", "{}", comps, instrs) is None  # the tuple itself
+    assert B.fusion_output("a", "{0}", comps, instrs) is None  # not a fusion
+
+
 def test_census_of_a_module_without_matmuls():
     c = K.census("ENTRY %main (a: f32[4]) -> f32[4] {\n  ROOT %a = f32[4]{0} parameter(0)\n}\n")
     assert c["matmuls"] == {} and c["f32_matmuls"] == 0 and c["mosaic_kernels"] == 0

@@ -37,6 +37,7 @@ _ALLOC = re.compile(r"^allocation (\d+): size (\d+), (.*)$")
 _VALUE = re.compile(r"^ value: <\d+ (\S+?)(\{[0-9,]*\})?(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
 _RANGE = re.compile(r"^    (\S+\{[0-9,]*\}):(\d+)-(\d+)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%([^\s,}]+)")
 _MOVES = frozenset({"copy-start", "copy-done", "copy", "bitcast", "get-tuple-element"})
 
 
@@ -122,6 +123,28 @@ def origin(name: str, instrs: dict[str, H.Instr]) -> tuple[str, str]:
     return name, ""
 
 
+def fusion_output(name: str, index: str, comps: dict[str, list[H.Instr]], instrs: dict[str, H.Instr]) -> str | None:
+    """The JAX ``op_name`` of output ``index`` of a multi-output fusion ``name`` (None if it is not
+    one): the instruction its fused computation's ROOT tuple puts there, through bitcasts and
+    converts, not the fusion's own ``op_name`` (which XLA takes from one of its outputs)."""
+    ins = instrs.get(name)
+    called = _CALLS.search(ins.line) if ins is not None and ins.op == "fusion" else None
+    if called is None or not index.strip("{}") or called.group(1) not in comps:
+        return None
+    body = {i.name: i for i in comps[called.group(1)]}
+    root = next((i for i in comps[called.group(1)] if i.line.lstrip().startswith("ROOT ")), None)
+    i = int(index.strip("{}").split(",")[0])
+    if root is None or root.op != "tuple" or i >= len(root.args):
+        return None
+    node = body.get(root.args[i])
+    while node is not None:
+        m = _OP_NAME.search(node.line)
+        if m:
+            return m.group(1)
+        node = body.get(node.args[0]) if node.op in ("bitcast", "convert", "copy") and node.args else None
+    return None
+
+
 def _element(shape: str, index: str) -> str:
     """The array of ``shape`` at tuple ``index`` (``"{}"``: the shape itself), as ``dtype[dims]``."""
     arrays = H.arrays(shape)
@@ -140,7 +163,8 @@ def heap_peak(dump: Path, top: int = 12) -> dict[str, Any]:
     Returns:
         ``{"temp_by_color": {colour: bytes}, "heap": bytes, "peak_step": step, "live_bytes": bytes,
         "live": [{"bytes", "value", "array", "producer", "op_name"}, ...], "by_array": [[array, count,
-        bytes], ...]}`` (largest first; ``by_array``: the live values grouped by shape and dtype).
+        bytes], ...]}`` (largest first; ``by_array``: the live values grouped by shape and dtype; a
+        multi-output fusion's value named by the op_name of its own output, :func:`fusion_output`).
     """
 
     def one(pattern: str) -> Path:
@@ -173,6 +197,7 @@ def heap_peak(dump: Path, top: int = 12) -> dict[str, Any]:
     rows = []
     for v in sorted(at_peak, key=lambda v: -v.size)[:top]:
         producer, op_name = origin(v.name, instrs)
+        op_name = fusion_output(v.name, v.index, comps, instrs) or op_name
         rows.append(
             {
                 "bytes": v.size,
