@@ -29,7 +29,9 @@ What changed across the supported range, and where it is handled:
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import importlib.util
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -542,6 +544,18 @@ def splash_attention() -> Any:
 
 
 _SPLASH: Any = None
+
+
+def tpu_compiler() -> bool:
+    """Whether a program traced here can be compiled for a TPU: the default backend is one, or
+    libtpu is installed (`jax[tpu]`: a deviceless compile on a CPU machine, `get_topology_desc`).
+    Elsewhere a TPU branch would only cost its trace."""
+    return jax.default_backend() == "tpu" or _libtpu_installed()
+
+
+@functools.cache
+def _libtpu_installed() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
 
 
 def partitioned_tpus() -> int:

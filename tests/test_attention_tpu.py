@@ -291,7 +291,29 @@ def _kernels(fn, *args, **kw):
     return [a["kernel"] for a in autocast.explain(fn, compute_dtype=BF16, **kw)(*args).totals["attention"]]
 
 
-def test_explain_says_which_kernel_runs_where():
+@pytest.fixture
+def tpu_compiler(monkeypatch):
+    """A machine that can compile for a TPU (libtpu installed, or a TPU backend)."""
+    from autocast import _compat
+
+    monkeypatch.setattr(_compat, "tpu_compiler", lambda: True)
+
+
+def test_no_tpu_branch_without_a_tpu_compiler(monkeypatch):
+    """Neither a TPU backend nor libtpu: no TPU branch (it would only cost its trace), the
+    program as before the TPU branch existed, and explain says why."""
+    from autocast import _compat
+
+    monkeypatch.setattr(_compat, "tpu_compiler", lambda: False)
+    args = _qkv()
+    (kernel,) = _kernels(gpt2_causal, *args)
+    assert "splash: no TPU compiler here" in kernel, kernel
+    closed = jax.make_jaxpr(autocast.amp(gpt2_causal, compute_dtype=BF16))(*args)
+    assert not any(e.primitive.name in ("platform_index", "pallas_call") for e, _ in walk(closed))
+    assert str(closed) == str(jax.make_jaxpr(autocast.amp(gpt2_causal, compute_dtype=BF16, attention="xla"))(*args))
+
+
+def test_explain_says_which_kernel_runs_where(tpu_compiler):
     q, k, v = _qkv()
     (kernel,) = _kernels(gpt2_causal, q, k, v)
     assert kernel.startswith("fused: splash (make_splash_mha) on tpu, else as written"), kernel
@@ -319,7 +341,7 @@ def test_near_misses_stay_as_written_with_the_reason(name, splash_on_cpu):
     assert not any(e.primitive.name == "platform_index" for e, _ in walk(closed))
 
 
-def test_a_traced_mask_over_the_queries_is_refused():
+def test_a_traced_mask_over_the_queries_is_refused(tpu_compiler):
     """A traced mask that varies along the queries is no segment id: tpu_plan says so."""
 
     def fn(q, k, v, m):
@@ -332,7 +354,7 @@ def test_a_traced_mask_over_the_queries_is_refused():
     assert "splash: a traced mask that varies along the queries or heads" in kernel, kernel
 
 
-def test_the_switch_and_the_policy_turn_the_tpu_branch_off(tmp_path):
+def test_the_switch_and_the_policy_turn_the_tpu_branch_off(tmp_path, tpu_compiler):
     q, k, v = _qkv()
 
     def model(q, k, v):
@@ -386,9 +408,9 @@ def _compiled(fn, *args) -> str:
 
 
 @pytest.mark.parametrize("name", ["gpt2_causal", "key_mask_bias"])
-def test_the_cpu_program_is_unchanged_by_the_tpu_branch(name):
-    """By default (cuDNN on CUDA, splash on TPU) the span is a platform choice on every
-    machine; lowered for the CPU, only its default branch is: the compiled program is the one
+def test_the_cpu_program_is_unchanged_by_the_tpu_branch(name, tpu_compiler):
+    """By default (cuDNN on CUDA, splash on TPU) the span is a platform choice on a machine
+    that can compile for a TPU (a CPU one with libtpu: deviceless compiles); lowered for the CPU, only its default branch is: the compiled program is the one
     attention="xla" gives, and no Mosaic kernel reaches the CPU's StableHLO."""
     loss, xs, rest = _problem(*CASES[name]())
     auto = jax.make_jaxpr(autocast.amp(loss, compute_dtype=BF16))(*xs, *rest)

@@ -13,7 +13,7 @@ The planner sees one opaque equation; its rule, `_Fused`, binds it:
 - a span is fused where a platform has a kernel for it (`Emit`: cuDNN on CUDA where the
   cuDNN call traces, `cudnn_plan`: a machine with a CUDA jaxlib and cuDNN, a deviceless
   compile for a GPU included; Pallas's splash attention on TPU where `_splash.tpu_plan`
-  takes it, on every machine); where none has (no cuDNN and a match splash refuses) its
+  takes it, on a machine that can compile for a TPU: `_splash.tpu_refusal`); where none has (no cuDNN and a match splash refuses) its
   equations stay as they are, and the program is exactly what it was;
 - the rule binds it as `lax.platform_dependent`: one branch per such platform, the fused
   kernel (on CUDA `jax.nn.dot_product_attention(..., implementation="cudnn")`, on TPU splash
@@ -251,7 +251,7 @@ def _prepare(span: _rewrites.Span, setting: Any = None) -> dict[str, Any] | str:
             plan = plan if not isinstance(plan, str) else f"cuDNN: {plan}"
         elif kernel == "splash":
             # (interpreted elsewhere: plain XLA, which partitions)
-            plan = (_splash.partition_refusal() if platform == "tpu" else None) or _splash_plan_for(match)
+            plan = (_splash.tpu_refusal() if platform == "tpu" else None) or _splash_plan_for(match)
         else:
             plan = match
         if isinstance(plan, str):

@@ -75,6 +75,17 @@ def tpu_plan(match: Match) -> Match | str:
     return plan if err is None else f"splash: {err}"
 
 
+def tpu_refusal() -> str | None:
+    """Why a program traced here gets no splash branch for a TPU, or None: no TPU compiler
+    here (neither a TPU backend nor libtpu: the branch would only cost its trace, about 30 ms
+    an attention layer, on every CPU and GPU machine), or several TPUs XLA would have to
+    partition the kernel over (`partition_refusal`). Not part of `tpu_plan`: it depends on
+    where amp traces, not on the match."""
+    if not _compat.tpu_compiler():
+        return "splash: no TPU compiler here (no TPU backend, libtpu not installed)"
+    return partition_refusal()
+
+
 def partition_refusal() -> str | None:
     """Why splash cannot run in a program traced here, or None: XLA cannot partition a Mosaic
     kernel (a `jit` over several TPU devices fails to lower with one), so it runs only where the
