@@ -310,7 +310,9 @@ def test_no_tpu_branch_without_a_tpu_compiler(monkeypatch):
     assert "splash: no TPU compiler here" in kernel, kernel
     closed = jax.make_jaxpr(autocast.amp(gpt2_causal, compute_dtype=BF16))(*args)
     assert not any(e.primitive.name in ("platform_index", "pallas_call") for e, _ in walk(closed))
-    assert str(closed) == str(jax.make_jaxpr(autocast.amp(gpt2_causal, compute_dtype=BF16, attention="xla"))(*args))
+    written = jax.make_jaxpr(autocast.amp(gpt2_causal, compute_dtype=BF16, attention="xla"))(*args)
+    addresses = re.compile(r"0x[0-9a-f]+")  # (a checkpoint policy's function, printed by JAX 0.9)
+    assert addresses.sub("0x", str(closed)) == addresses.sub("0x", str(written))
 
 
 def test_explain_says_which_kernel_runs_where(tpu_compiler):
