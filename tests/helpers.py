@@ -135,3 +135,16 @@ def fp8_every_matmul() -> Any:
     return autocast.extend_policy(
         {jax.lax.dot_general_p: autocast.use_float8(target=None)}, base=autocast.load_policy("fp8")
     )
+
+
+def require_libtpu() -> None:
+    """Skip (outside the TPU lane) or fail (inside it, ``AUTOCAST_TPU_LANE=1``) where libtpu
+    is not installed: the deviceless TPU compiles of tests/run_tpu_program.sh."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("libtpu") is not None:
+        return
+    if os.environ.get("AUTOCAST_TPU_LANE") == "1":
+        pytest.fail("libtpu is not installed in the TPU lane's virtualenv (tests/run_tpu_program.sh installs it)")
+    pytest.skip("libtpu not installed: bash tests/run_tpu_program.sh runs the TPU compiles")

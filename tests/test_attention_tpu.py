@@ -18,15 +18,13 @@ splash's Mosaic kernels and no float32 ``[T, S]`` buffer.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import walk
+from helpers import require_libtpu, walk
 
 import autocast
 from autocast._attention import _fuse
@@ -426,15 +424,6 @@ def test_the_cpu_program_is_unchanged_by_the_tpu_branch(name, tpu_compiler):
 # --- the v5e program (the TPU lane's virtualenv) ----------------------------------------------
 
 
-def _libtpu() -> None:
-    """Skip (outside the TPU lane) or fail (inside it) where libtpu is not installed."""
-    if importlib.util.find_spec("libtpu") is not None:
-        return
-    if os.environ.get("AUTOCAST_TPU_LANE") == "1":
-        pytest.fail("libtpu is not installed in the TPU lane's virtualenv (tests/run_tpu_program.sh installs it)")
-    pytest.skip("libtpu not installed: bash tests/run_tpu_program.sh runs the TPU compiles")
-
-
 def v5e_attention_step(batch=4, tokens=1024, heads=12, head_dim=64, **amp_kwargs):
     """A causal attention layer's amp(bfloat16) train step (the q/k/v and output projections,
     SGD) compiled for a one-chip v5e with no TPU present: (compiled, HLO text)."""
@@ -469,7 +458,7 @@ def _cost(compiled) -> tuple[int, float]:
 def test_v5e_attention_step_runs_splash_and_holds_no_float32_scores():
     """The step holds splash's forward and backward kernels, no float32 [T, S] buffer, and less
     peak memory and fewer bytes accessed than the same step with the attention as written."""
-    _libtpu()
+    require_libtpu()
     batch, tokens, heads = 4, 1024, 12
     compiled, hlo = v5e_attention_step(batch, tokens, heads)
     kernels = re.findall(r"splash_mha_(fwd|dq|dkv)\w*", hlo)

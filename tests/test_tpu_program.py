@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import datetime
 import functools
-import importlib.util
 import json
 import os
 import re
 from pathlib import Path
 
-import pytest
+from helpers import require_libtpu
 
 from benchmarks.tpu_modeled import census as K
 
@@ -50,15 +49,6 @@ GUARD_MODEL, TARGET = "gpt2-2blocks", "v5e"
 GUARD_LAYERS = 2  # the guard model's attention layers (its blocks)
 SLACK = 0.02  # temp and bytes accessed may grow by 2 % before the guard fails
 AMP, MPX = "autocast-bf16", "mpx-bf16"
-
-
-def _libtpu() -> None:
-    """Skip (outside the TPU lane) or fail (inside it) where libtpu is not installed."""
-    if importlib.util.find_spec("libtpu") is not None:
-        return
-    if os.environ.get("AUTOCAST_TPU_LANE") == "1":
-        pytest.fail("libtpu is not installed in the TPU lane's virtualenv (tests/run_tpu_program.sh installs it)")
-    pytest.skip("libtpu not installed: bash tests/run_tpu_program.sh runs the TPU compiles")
 
 
 @functools.cache
@@ -213,7 +203,7 @@ def test_census_of_a_module_without_matmuls():
 
 
 def test_census_of_small_programs_compiled_for_the_v5e():
-    _libtpu()
+    require_libtpu()
     import jax
     import jax.numpy as jnp
 
@@ -237,7 +227,7 @@ def test_census_of_small_programs_compiled_for_the_v5e():
 
 
 def test_census_counts_a_pallas_kernel_compiled_for_the_v5e():
-    _libtpu()
+    require_libtpu()
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -253,7 +243,7 @@ def test_census_counts_a_pallas_kernel_compiled_for_the_v5e():
 def test_census_names_a_splash_attention_compiled_for_the_v5e():
     # the names the lane's attention test looks for, read from a real compile (a few seconds):
     # causal splash attention, forward and backward, at the smallest shapes its blocks take
-    _libtpu()
+    require_libtpu()
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -273,7 +263,7 @@ def test_census_names_a_splash_attention_compiled_for_the_v5e():
 def test_the_docs_deviceless_example_prints_what_the_page_shows(capsys):
     # docs/tpu.md's example is a bash block (the docs tests do not run it: it needs libtpu);
     # here its script runs as the page gives it, and prints the transcript the page shows
-    _libtpu()
+    require_libtpu()
     page = DOCS_PAGE.read_text()
     script = re.search(r"<<'EOF'\n(.*?)^EOF$", page, re.S | re.M)
     shown = re.search(r"It prints[^\n]*\n\n```text\n(.*?)```", page, re.S)
@@ -309,7 +299,7 @@ def _update_guard(key: str, figures: dict[str, int]) -> None:
 
 def _check_guard(system: str) -> None:
     """``system`` 's temp and bytes accessed at most 2 % above the committed (or rewritten)."""
-    _libtpu()
+    require_libtpu()
     info = _step(system)
     now = {"temp_bytes": info["memory"]["temp"], "bytes_accessed": int(info["cost"]["bytes_accessed"])}
     key = f"{GUARD_MODEL}-{system}"
@@ -335,7 +325,7 @@ class TestAmpStep:
     """amp bfloat16's step of the guard model."""
 
     def test_no_float32_matmul_on_the_v5e(self):
-        _libtpu()
+        require_libtpu()
         c = _step(AMP)["census"]
         assert sum(c["matmuls"].values()) >= 2 * 6 * 3, c["matmuls"]  # every block's matmuls, forward and backward
         assert c["f32_matmuls"] == 0 and c["f32_matmuls_in_amp_stop"] == 0, c["matmul_types"]
@@ -346,7 +336,7 @@ class TestAmpStep:
         # backward (the dK/dV one; splash makes dQ in it or in a kernel of its own) per layer. The
         # forward may run twice (recomputed in the backward pass); attention written out has none.
         # (A strict xfail until the TPU attention branch landed, 6de1310; it passes since.)
-        _libtpu()
+        require_libtpu()
         kernels = _step(AMP)["census"]["kernels"]
         att = K.attention_kernels(kernels)
         assert att["forward"] >= GUARD_LAYERS and att["backward"] == GUARD_LAYERS, (
@@ -356,7 +346,7 @@ class TestAmpStep:
     def test_temp_not_above_mpx_on_the_v5e(self):
         # MPX's temp as committed (TestMpxStep checks it against MPX's step compiled on the other
         # worker: MPX's program does not depend on amp's code, and one compile of it is enough)
-        _libtpu()
+        require_libtpu()
         amp = _step(AMP)["memory"]["temp"]
         mpx = json.loads(GUARD_FILE.read_text())["steps"][f"{GUARD_MODEL}-mpx-bf16"]["temp_bytes"]
         assert amp <= mpx, f"amp bf16 temp {amp / 2**20:,.0f} MiB above MPX's {mpx / 2**20:,.0f} MiB"

@@ -244,6 +244,13 @@ def cudnn_error(match: Match) -> str | None:
     the exception's text ("cuDNN is not detected" on a machine without cuDNN; a shape it
     rejects; ...). Tracing reads the installed cuDNN and the default backend only: a
     deviceless or CPU-only trace answers for that machine."""
+    return trace_error(match, implementation="cudnn")
+
+
+def trace_error(match: Match, **kwargs: Any) -> str | None:
+    """None if `call(match, ..., **kwargs)` traces, forward and backward (a vjp), for
+    `match`'s inputs, else the exception's text: a kernel's own checks of what it takes
+    (JAX's and cuDNN's RuntimeError, NotImplementedError, ValueError; splash's)."""
 
     def fwd_bwd(*args: Any) -> Any:
         floats = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)]
@@ -252,14 +259,14 @@ def cudnn_error(match: Match) -> str | None:
             full = list(args)
             for i, x in zip(floats, xs):
                 full[i] = x
-            return call(match, full, implementation="cudnn")[0]
+            return call(match, full, **kwargs)[0]
 
         out, vjp = jax.vjp(f, *(args[i] for i in floats))
         return out, vjp(jnp.ones_like(out))
 
     try:
         jax.eval_shape(fwd_bwd, *_avals(match))
-    except Exception as e:  # JAX's own checks: RuntimeError, NotImplementedError, ValueError
+    except Exception as e:
         return f"{type(e).__name__}: {e}".strip()
     return None
 

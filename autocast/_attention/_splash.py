@@ -48,7 +48,7 @@ import numpy as np
 
 from .. import _compat
 from . import _layout
-from ._call import call, pad_sequences
+from ._call import pad_sequences, trace_error
 from ._match import Match
 
 BLOCK = 128
@@ -143,27 +143,9 @@ def _const_mask(match: Match) -> np.ndarray | str | None:
 
 
 def _trace_error(plan: Match) -> str | None:
-    """None if the kernel (forward and backward) traces for `plan`'s inputs, else the error."""
-    attend = kernel(plan, interpret=False)
-
-    def fwd_bwd(*args: Any) -> Any:
-        floats = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)]
-
-        def f(*xs: Any) -> Any:
-            full = list(args)
-            for i, x in zip(floats, xs):
-                full[i] = x
-            return call(plan, full, attend=attend)[0]
-
-        out, vjp = jax.vjp(f, *(args[i] for i in floats))
-        return out, vjp(jnp.ones_like(out))
-
-    avals = [jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype) for v in plan.inputs]
-    try:
-        jax.eval_shape(fwd_bwd, *avals)
-    except Exception as e:  # splash's own checks: ValueError, NotImplementedError
-        return f"{type(e).__name__}: {e}".strip()
-    return None
+    """None if the kernel (forward and backward) traces for `plan`'s inputs, else the error
+    (splash's own checks: ValueError, NotImplementedError)."""
+    return trace_error(plan, attend=kernel(plan, interpret=False))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
