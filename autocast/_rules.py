@@ -59,7 +59,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from . import _compat, _dtypes
+from . import _compat, _dtypes, _pick
 from ._rule_context import RuleContext
 
 Role = Literal["compute", "float32", "input", "widest", "original", "as_is", "convert", "select_float32", "opaque"]
@@ -334,7 +334,9 @@ class _SelectInFloat32(Rule):
     precision and converted after, so the backward pass scatters a half-precision cotangent,
     of the operand's size, that XLA folds into the operand's other cotangents, instead of a
     float32 one. The cast itself leaves the operand as it arrives (the binding converts it);
-    a float32 operand is selected as it is."""
+    a float32 operand is selected as it is. A gather that picks one element per row
+    (`take_along_axis`, `_pick.row_axis`) is bound, for a TPU, as a masked sum over the row
+    (`_pick`): no gather and no scatter, and nothing of the operand's size for XLA:TPU to keep."""
 
     role: Role = "select_float32"
     name = "select_in_float32"
@@ -346,7 +348,16 @@ class _SelectInFloat32(Rule):
         x = arrived[0]
         if not _dtypes.is_castable(_dtypes.dtype_of(x)) or _dtypes.dtype_of(x) == _dtypes.FLOAT32:
             return None  # selected as it is
-        bind = functools.partial(_compat.bind, eqn.primitive, params=params)
+        axis = _pick.row_axis(params, x.shape, cast[1].shape) if eqn.primitive.name == "gather" else None
+
+        def bind(vals):
+            if axis is not None:  # a pick per row: on a TPU, a masked sum that fuses with the row's reductions
+
+                def gather(x, indices):
+                    return _compat.bind(eqn.primitive, [x, indices, *vals[2:]], params)[0]
+
+                return [_pick.pick(vals[0], vals[1], params, axis, gather)]
+            return _compat.bind(eqn.primitive, vals, params)
 
         def select(x, *rest):
             return bind([_dtypes.cast(x, _dtypes.FLOAT32), *rest])[0]

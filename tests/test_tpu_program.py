@@ -240,6 +240,36 @@ def test_census_counts_a_pallas_kernel_compiled_for_the_v5e():
     assert K.census(jax.jit(f).lower(x).compile().as_text())["mosaic_kernels"] == 1
 
 
+def test_the_label_pick_is_a_masked_sum_in_the_v5e_program():
+    """amp's cross-entropy step compiled for the v5e picks the label logit with a masked sum
+    (`autocast._pick`: no gather, no scatter, the float32 logits not kept for them), where the
+    CPU program of the same function still gathers."""
+    require_libtpu()
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import autocast
+
+    def loss(w, h, y):
+        return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+
+    sh = _sharding()
+    args = [
+        jax.ShapeDtypeStruct((256, 4096), jnp.float32, sharding=sh),
+        jax.ShapeDtypeStruct((8, 128, 256), jnp.float32, sharding=sh),
+        jax.ShapeDtypeStruct((8, 128), jnp.int32, sharding=sh),
+    ]
+    step = jax.jit(jax.value_and_grad(autocast.amp(loss)))
+
+    def picks(hlo: str) -> list[str]:
+        return [line for line in hlo.splitlines() if re.search(r"= \S+ (gather|scatter)\(", line)]
+
+    assert not picks(step.lower(*args).compile().as_text())
+    cpu = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    assert picks(step.lower(*cpu).compile().as_text())  # (the default branch: the gather)
+
+
 def test_census_names_a_splash_attention_compiled_for_the_v5e():
     # the names the lane's attention test looks for, read from a real compile (a few seconds):
     # causal splash attention, forward and backward, at the smallest shapes its blocks take
