@@ -155,3 +155,19 @@ def test_padding_helpers_round_trip():
     x = jnp.ones((4, 2))
     assert _pad.logits(x @ wp.T, pad).shape == (4, 3)
     np.testing.assert_array_equal(np.asarray(_pad.logits(x @ wp.T, pad)), np.asarray(x @ w.T))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["forward", "checkpoint"])
+def test_unrolled_loop_for_measurement_is_the_same_computation(dtype, monkeypatch):
+    """`_forward.UNROLL` (the TPU benchmark's `--unroll-loss-head`, so XLA's cost analysis
+    counts every chunk) unrolls the loops and leaves the values and gradients, in both forms."""
+    from autocast._loss_head import _forward
+
+    fn = IDIOMS["optax_integer_labels_btv"]
+    step = lambda: jax.jit(jax.value_and_grad(autocast.amp(fn, compute_dtype=dtype, loss_head=4), argnums=HPW))  # noqa: E731
+    looped = step()(*ARGS)
+    monkeypatch.setattr(_forward, "UNROLL", True)
+    unrolled_fn = step()
+    scans = [e for e, _ in walk(jax.make_jaxpr(unrolled_fn)(*ARGS)) if e.primitive.name == "scan"]
+    assert scans and all(e.params["unroll"] == e.params["length"] for e in scans), scans  # (lowered unrolled)
+    assert_near(unrolled_fn(*ARGS), looped, FLIP_TOL)

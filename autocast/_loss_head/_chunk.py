@@ -118,7 +118,7 @@ class _Chunked(_rules.Rule):
 
         init = [_init(s, kind) for s, kind in zip(shapes, kinds) if isinstance(kind, str)]
         step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
-        carry, ys = jax.lax.scan(step, init, xs)
+        carry, ys = jax.lax.scan(step, init, xs, unroll=_forward.UNROLL)
         results, cit, yit = [], iter(carry), iter(ys)
         for s, kind, o in zip(shapes, kinds, plan.outputs):
             if isinstance(kind, str):

@@ -33,6 +33,11 @@ from . import _axes
 
 _F32 = np.dtype(np.float32)
 
+UNROLL: bool = False
+"""Unroll the chunk loops (`_forward`'s and `_chunk`'s `lax.scan`): the same computation in
+straight-line code, for measurement only. XLA's cost analysis counts a loop's body once, so
+`benchmarks/tpu_modeled` sets it to count every chunk's bytes and FLOPs (`--unroll-loss-head`)."""
+
 
 def applies(compute_dtype: Any, shapes: Sequence[Any], kinds: Sequence[Any]) -> bool:
     """Whether the span's outputs are summed scalars, exactly one of them float, and the
@@ -73,7 +78,7 @@ def with_gradients(
             outs = run(xs_t, whole, cast_w)
             return [c + o.astype(c.dtype) for c, o in zip(carry, outs)], None
 
-        carry, _ = jax.lax.scan(step, [jnp.zeros((), a) for a in acc], xs)
+        carry, _ = jax.lax.scan(step, [jnp.zeros((), a) for a in acc], xs, unroll=UNROLL)
         return carry
 
     head = jax.custom_jvp(total)
@@ -103,7 +108,7 @@ def with_gradients(
             return (sums, gw), gx
 
         init = ([jnp.zeros((), a) for a in acc], [jnp.zeros(whole[i].shape, _F32) for i in dw])
-        (sums, gw), gx = jax.lax.scan(step, init, xs)
+        (sums, gw), gx = jax.lax.scan(step, init, xs, unroll=UNROLL)
         tangent = jnp.zeros((), _F32)
         for g, i in zip(gx, dx):
             tangent = tangent + jnp.sum(g.astype(_F32) * txs[i].astype(_F32))

@@ -281,6 +281,12 @@ def run(args: argparse.Namespace, cmd: str) -> dict[str, Any]:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     out_dir = Path(args.out_dir) if args.out_dir else C.results_dir("tpu_modeled")
     tag = f"-batch{args.batch}" if args.batch else ""
+    if args.unroll_loss_head:
+        from autocast._loss_head import _forward
+
+        _forward.UNROLL = True
+        report["loss_head_unrolled"] = True
+        tag += "-unrolled"
     stem = out_dir / f"tpu-target-{args.target}{tag}-{date}"
     for model in args.models:
         task = make_task(model, args.batch)
@@ -313,6 +319,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, help="every model at this batch size (default: each model's own)")
     ap.add_argument("--out-dir", help="where the report goes (default: benchmarks/results/tpu_modeled)")
     ap.add_argument("--dump", help="keep XLA's dumps of each step under DIR/<model>-<system>/")
+    ap.add_argument(
+        "--unroll-loss-head",
+        action="store_true",
+        help="amp's loss-head chunk loops unrolled, so XLA's cost analysis (which counts a loop body once) "
+        "counts every chunk; the report's name ends in -unrolled",
+    )
     args = ap.parse_args(argv)
     unknown = sorted(set(args.systems) - set(S.SYSTEMS + S.EXTRA_SYSTEMS))
     if unknown:
