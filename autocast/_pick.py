@@ -7,11 +7,11 @@ that a `logsumexp` also reads: as a `gather`, XLA:TPU keeps the conversion in me
 `sum(where(iota == label, x, 0))` over the axis it is one more reduction over the value the
 `logsumexp` reduces, fused with it, and its transpose an elementwise select: GPT-2 small's
 v5e step, temp 2,931 -> 2,735 MiB, bytes accessed 49.2 -> 48.6 GB (deviceless, 2026-11-28).
-XLA:GPU is the other way round: the gather fuses, the masked sum costs GPT-2 small's H100
-step 1,079 MiB more temp and 0.9 ms (deviceless, the same day). So `pick` emits the masked
-sum in a `lax.platform_dependent` branch for TPUs, the gather elsewhere, and only where a
-program traced here can be compiled for a TPU (`_compat.tpu_compiler`): on other machines the
-program is the gather alone, as before.
+XLA:GPU is the other way round: the masked sum cost GPT-2 small's H100 step 1,079 MiB more
+temp and 0.9 ms (deviceless, the same day: benchmarks/results/tpu_modeled/findings.md, fourth
+pass). So `pick` emits the masked sum in a `lax.platform_dependent` branch for TPUs, the
+gather elsewhere, and only where a program traced here can be compiled for a TPU
+(`_compat.tpu_compiler`): on other machines the program is the gather alone, as before.
 
 The same values: the sum adds one element to zeros (exact in any float dtype; an element of
 -0.0 becomes +0.0), the other elements are selected away (a NaN or an infinity elsewhere in
