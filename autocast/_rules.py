@@ -350,12 +350,11 @@ class _SelectInFloat32(Rule):
             return None  # selected as it is
         axis = _pick.row_axis(params, x.shape, cast[1].shape) if eqn.primitive.name == "gather" else None
 
+        def gather(x, indices):
+            return _compat.bind(eqn.primitive, [x, indices], params)[0]
+
         def bind(vals):
             if axis is not None:  # a pick per row: on a TPU, a masked sum that fuses with the row's reductions
-
-                def gather(x, indices):
-                    return _compat.bind(eqn.primitive, [x, indices, *vals[2:]], params)[0]
-
                 return [_pick.pick(vals[0], vals[1], params, axis, gather)]
             return _compat.bind(eqn.primitive, vals, params)
 

@@ -52,23 +52,18 @@ AMP, MPX = "autocast-bf16", "mpx-bf16"
 
 
 @functools.cache
-def _sharding(target: str = TARGET):
+def _sharding():
     from benchmarks.tpu_modeled import tpu
 
-    return tpu.target_sharding(target)
+    return tpu.target_sharding(TARGET)
 
 
 @functools.cache
-def _step(system: str, target: str = TARGET) -> dict:
-    """The guard model's step for ``system`` on ``target``, compiled once per process."""
+def _step(system: str) -> dict:
+    """The guard model's step for ``system``, compiled once per process."""
     from benchmarks.tpu_modeled import tpu
 
-    return tpu.compile_system(tpu.make_task(GUARD_MODEL), system, _sharding(target))
-
-
-def _key(system: str, target: str = TARGET) -> str:
-    """The guard file's key of a step (the v5e's without a suffix)."""
-    return f"{GUARD_MODEL}-{system}" + ("" if target == TARGET else f"-{target}")
+    return tpu.compile_system(tpu.make_task(GUARD_MODEL), system, _sharding())
 
 
 # ----------------------------------------------------------------------------- the census, on HLO text
@@ -332,12 +327,12 @@ def _update_guard(key: str, figures: dict[str, int]) -> None:
         f.write(json.dumps(table, indent=1, sort_keys=True) + "\n")
 
 
-def _check_guard(system: str, target: str = TARGET) -> None:
+def _check_guard(system: str) -> None:
     """``system`` 's temp and bytes accessed at most 2 % above the committed (or rewritten)."""
     require_libtpu()
-    info = _step(system, target)
+    info = _step(system)
     now = {"temp_bytes": info["memory"]["temp"], "bytes_accessed": int(info["cost"]["bytes_accessed"])}
-    key = _key(system, target)
+    key = f"{GUARD_MODEL}-{system}"
     if os.environ.get("AUTOCAST_UPDATE_TPU_GUARD") == "1":
         _update_guard(key, now)
         return
