@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat, _dtypes, _registry, _rewrites, _rules
-from . import _axes, _find, _forward, _pad
+from .._attention._graph import Node
+from . import _axes, _find, _forward, _pad, _regroup
 
 BUDGET = 512 << 20
 """The float32 logits one chunk may hold under `loss_head="auto"` (bytes). Measured on the
@@ -289,6 +290,9 @@ def _chunk_jaxpr(plan: _find.Plan, k: int) -> Any:
             aval = aval.update(shape=tuple(shape))
         avals.append(aval)
 
+    reshape = _regroup.find(plan.nodes, plan.head, plan.axes, plan.outputs)
+    merged = False
+
     def replay(*args: Any) -> list[Any]:
         env: dict[int, Any] = dict(zip(plan.inputs, args))
         env.update(plan.consts)
@@ -298,17 +302,27 @@ def _chunk_jaxpr(plan: _find.Plan, k: int) -> Any:
             ctx = (
                 _compat.user_context(node.source.traceback, name_stack=node.source.name_stack) if node.source else None
             )
-            if ctx is None:
-                outs = _compat.bind(node.prim, ins, params)
-            else:
-                with ctx:
-                    outs = _compat.bind(node.prim, ins, params)
-            if index == plan.head and plan.pad is not None:
-                outs = [_pad.logits(outs[0], plan.pad)]
+            with ctx if ctx is not None else contextlib.nullcontext():
+                outs = _bind(index, node, ins, params)
             for o, val in zip(node.outs, outs):
                 if o >= 0:
                     env[o] = val
         return [env[o] for o in plan.outputs]
+
+    def _bind(index: int, node: Node, ins: list[Any], params: dict[str, Any]) -> list[Any]:
+        nonlocal merged
+        if index == plan.head and reshape is not None:  # made in the loss's shape (`_regroup`)
+            sizes = _axes.at_chunk("reshape", plan.nodes[reshape].params, plan.relations[reshape], k)["new_sizes"]
+            out = _regroup.bind(node, ins, params, sizes, plan.pad)
+            merged = out is not None
+            if merged:
+                return [out]
+        if index == reshape and merged:
+            return [ins[0]]
+        outs = _compat.bind(node.prim, ins, params)
+        if index == plan.head and plan.pad is not None:
+            outs = [_pad.logits(outs[0], plan.pad)]
+        return outs
 
     open_, consts = _compat.trace_to_jaxpr(replay, avals)
     return _compat.close_jaxpr(open_, consts)
