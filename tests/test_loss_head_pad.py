@@ -171,3 +171,16 @@ def test_unrolled_loop_for_measurement_is_the_same_computation(dtype, monkeypatc
     scans = [e for e, _ in walk(jax.make_jaxpr(unrolled_fn)(*ARGS)) if e.primitive.name == "scan"]
     assert scans and all(e.params["unroll"] == e.params["length"] for e in scans), scans  # (lowered unrolled)
     assert_near(unrolled_fn(*ARGS), looped, FLIP_TOL)
+
+
+def test_not_padded_where_a_tpu_compiles(monkeypatch):
+    """Where a TPU compiles the program the vocabulary is not padded (XLA:TPU tiles it
+    itself; the slice and pad around each chunk keep its cotangent out of the matmuls), and the
+    head is the same computation."""
+    fn = IDIOMS["optax_integer_labels_btv"]
+    monkeypatch.setattr(_compat, "tpu_compiler", lambda: True)
+    hows = [h["how"] for h in heads(fn, ARGS)]
+    assert len(hows) == 1 and hows[0].startswith("chunked") and "padded" not in hows[0], hows
+    jaxpr = jax.make_jaxpr(jax.grad(autocast.amp(fn, compute_dtype=jnp.bfloat16, loss_head=4), argnums=2))(*ARGS)
+    assert not [e for e, _ in walk(jaxpr) if e.primitive.name == "pad"]
+    check(fn, ARGS, HPW)

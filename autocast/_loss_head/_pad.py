@@ -14,6 +14,14 @@ nothing, so their cotangent is zero, and the zero rows add zero products to the 
 states' gradient; the weight's gradient is the padded gradient's slice. Applied only where
 the weight is an input of the span read by the head's matmul alone (directly or through one
 transpose), the matmul having one vocabulary axis on that side.
+
+Not where a TPU compiles the program (`_compat.tpu_compiler`): XLA:TPU lays a vocabulary out
+in 128-lane tiles whatever its size, and there the slice of each chunk's logits and the pad
+of their cotangent keep the cotangent out of the two matmuls that read it (it is written to
+memory beside the logits instead of computed inside each): GPT-2 small's v5e step, with the
+logits made flat (`_regroup`), 2,732 MiB of temp padded against 2,538 not (deviceless,
+2026-11-28; benchmarks/results/tpu_modeled/findings.md, fifth pass). The choice is made when
+the program is traced: a machine with libtpu installed traces for its TPU.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 
 from jax import lax
 
+from .. import _compat
 from .._attention._graph import Node
 
 MULTIPLE = 128
@@ -51,7 +60,8 @@ def find(
     nodes: Sequence[Node], head: int, axes: Mapping[int, Any], inputs: Sequence[int], shape: Callable[[int], Any]
 ) -> Pad | None:
     """How the vocabulary of a head is padded, or None (already a multiple, padding it would
-    add more than `GROWTH`, or the weight is not an input read by the head alone).
+    add more than `GROWTH`, the weight is not an input read by the head alone, or a TPU
+    compiles the program).
 
     Args:
         nodes: The span's equations; `head`, the index of its matmul among them.
@@ -59,6 +69,8 @@ def find(
         inputs: The ids the span reads from outside, in order.
         shape: A value id -> its shape.
     """
+    if _compat.tpu_compiler():
+        return None
     node = nodes[head]
     (lc, rc), (lb, rb) = node.params["dimension_numbers"]
     side = next((j for j, a in enumerate(node.ins) if isinstance(a, int) and a not in axes), None)
