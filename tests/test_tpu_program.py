@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -268,6 +269,48 @@ def test_the_label_pick_is_a_masked_sum_in_the_v5e_program():
     assert not picks(step.lower(*args).compile().as_text())
     cpu = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
     assert picks(step.lower(*cpu).compile().as_text())  # (the default branch: the gather)
+
+
+def test_the_chunked_head_keeps_one_logits_value_per_chunk_in_the_v5e_program():
+    """amp's chunked loss head compiled for the v5e, on flattened logits (`reshape(-1, V)`, as
+    the benchmark's GPT computes its loss) of GPT-2's odd vocabulary: the loop body writes one
+    `[tokens, vocabulary]` value a chunk, the logits, and computes their cotangent inside the
+    two matmuls that read it (the matmul makes the flat logits, `autocast._loss_head._regroup`;
+    no vocabulary padding on a TPU, `_pad`). Before both, the body wrote the cotangent and a
+    relayout of it too."""
+    require_libtpu()
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import autocast
+    from benchmarks.gpu_modeled import hlo_model as H
+
+    v, d = 50257, 128  # (the weight gradient, [v, d], smaller than a chunk's logits, [256, v])
+
+    def loss(w, h, y):
+        logits = jax.vmap(lambda x: x @ w.T)(h)
+        return optax.softmax_cross_entropy_with_integer_labels(logits.reshape(-1, v), y.reshape(-1)).mean()
+
+    sh = _sharding()
+    args = [
+        jax.ShapeDtypeStruct((v, d), jnp.float32, sharding=sh),
+        jax.ShapeDtypeStruct((8, 128, d), jnp.float32, sharding=sh),
+        jax.ShapeDtypeStruct((8, 128), jnp.int32, sharding=sh),
+    ]
+    step = jax.jit(jax.value_and_grad(autocast.amp(loss, compute_dtype=jnp.bfloat16, loss_head=4), argnums=(0, 1)))
+    hlo = step.lower(*args).compile().as_text()
+    entry, comps = H.parse(hlo)
+    bodies = [c for c, n in H.launch_computations(entry, comps).items() if c != entry]
+    skip = {"parameter", "get-tuple-element", "bitcast", "tuple", "copy-start", "copy-done"}
+    written = [
+        i.name
+        for c in bodies
+        for i in comps[c]
+        if i.op not in skip and any(math.prod(dims) >= 256 * v for _, dims in H.arrays(i.shape))
+    ]
+    assert len(written) == 1, written
+    assert not re.search(r"\[\d*,?50304\]|\[50304,", hlo)  # no padded vocabulary
 
 
 def test_census_names_a_splash_attention_compiled_for_the_v5e():
