@@ -99,7 +99,7 @@ class _Chunked(_rules.Rule):
         first = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
         shapes = jax.eval_shape(lambda *a: run(a, whole, precast, observed=False), *first)
         forward = _forward.applies(ctx.compute_dtype, shapes, kinds)
-        ctx.observer.rewrite("loss_head", plan.what, describe(k, forward, plan.pad))
+        ctx.observer.rewrite("loss_head", plan.what, describe(k, forward, plan.pad, params.get("flat", False)))
         if forward:
             return _forward.with_gradients(run, xs, whole, precast, shapes)
 
@@ -194,12 +194,14 @@ def _merge(y: Any, axis: int, inner: int) -> Any:
     return jnp.reshape(y, out)
 
 
-def describe(k: int, forward: bool = False, pad: _pad.Pad | None = None) -> str:
+def describe(k: int, forward: bool = False, pad: _pad.Pad | None = None, flat: bool = False) -> str:
     """What explain says of a chunked head (`forward`: its gradients made with the loop;
-    `pad`: how its vocabulary is padded for the matmuls)."""
+    `pad`: how its vocabulary is padded for the matmuls; `flat`: the matmul makes the logits
+    in the shape the loss reshapes them to)."""
     how = "lax.scan, gradients with the forward pass" if forward else "lax.scan + checkpoint"
     padded = "" if pad is None else f", the matmuls' vocabulary padded {pad.size:,} -> {pad.padded:,}"
-    return f"chunked: {k} token chunks ({how}), float32 accumulation{padded}"
+    made = ", the logits made flat by the matmul" if flat else ""
+    return f"chunked: {k} token chunks ({how}), float32 accumulation{padded}{made}"
 
 
 LOSS_HEAD = _Chunked()
@@ -272,12 +274,14 @@ def _prepare(span: _rewrites.Span, setting: Any) -> dict[str, Any] | str:
     k = chunk_count(plan, setting)
     if isinstance(k, str):
         return k
-    return {"plan": plan, "chunks": k, "chunk": _chunk_jaxpr(plan, k)}
+    chunk, flat = _chunk_jaxpr(plan, k)
+    return {"plan": plan, "chunks": k, "chunk": chunk, "flat": flat}
 
 
-def _chunk_jaxpr(plan: _find.Plan, k: int) -> Any:
+def _chunk_jaxpr(plan: _find.Plan, k: int) -> tuple[Any, bool]:
     """The span's equations at chunk shapes, as a closed jaxpr over the plan's inputs (each
-    chunked one `1/k` of its token axis)."""
+    chunked one `1/k` of its token axis), and whether its matmul makes the logits in the shape
+    the loss reshapes them to (`_regroup`)."""
     avals = []
     for j, (i, var) in enumerate(zip(plan.inputs, plan.in_vars)):
         aval = var.aval
@@ -325,7 +329,7 @@ def _chunk_jaxpr(plan: _find.Plan, k: int) -> Any:
         return outs
 
     open_, consts = _compat.trace_to_jaxpr(replay, avals)
-    return _compat.close_jaxpr(open_, consts)
+    return _compat.close_jaxpr(open_, consts), merged
 
 
 REWRITE = _rewrites.register_rewrite("loss_head", loss_head_p, _spans, LOSS_HEAD, _prepare)
