@@ -558,6 +558,19 @@ def _libtpu_installed() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
+def explicitly_sharded(aval: Any) -> bool:
+    """Whether an abstract value is sharded along an axis of a mesh in JAX's explicit sharding
+    mode (`AxisType.Explicit`: its sharding is part of its type, and every operation's result
+    sharding must follow from its operands'). `aval.sharding`: JAX 0.9.2 .. 0.12 (a mesh with
+    no axes where nothing is sharded)."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    if mesh is None or explicit is None or explicit not in tuple(getattr(mesh, "axis_types", ())):
+        return False
+    return any(p is not None for p in getattr(sharding, "spec", ()))
+
+
 def partitioned_tpus() -> int:
     """How many TPU devices XLA may partition a program traced here over (GSPMD / Shardy): 1
     inside a `shard_map` manual over every axis of its mesh (each device runs its own shard's

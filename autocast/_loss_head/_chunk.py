@@ -271,6 +271,9 @@ def _prepare(span: _rewrites.Span, setting: Any) -> dict[str, Any] | str:
     """The `loss_head` equation's parameters for a span the policy lets chunk: the plan, the
     chunk count and the span's equations at chunk shapes; or why it stays as written."""
     plan = span.found
+    if any(_compat.explicitly_sharded(v.aval) for v in plan.in_vars):
+        # (its chunks would need every value's sharding respelled at chunk shape)
+        return "an input is sharded in JAX's explicit sharding mode"
     k = chunk_count(plan, setting)
     if isinstance(k, str):
         return k

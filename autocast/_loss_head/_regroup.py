@@ -68,12 +68,13 @@ def bind(
     hidden states `ins[0]` reshaped first; or None where the reshape does not merely regroup
     their leading axes (the matmul then runs as written).
 
-    `pad`: the weight's vocabulary padding; the result is sliced back to the vocabulary."""
+    `pad`: the weight's vocabulary padding; the result is sliced back to the vocabulary. A
+    matmul with an explicit `out_sharding` (JAX's explicit sharding mode) runs as written."""
     lhs, rhs = ins
     (lc, rc), _ = params["dimension_numbers"]
     free = lhs.ndim - len(lc)
-    if sorted(lc) != list(range(free, lhs.ndim)):
-        return None
+    if sorted(lc) != list(range(free, lhs.ndim)) or params.get("out_sharding") is not None:
+        return None  # (an explicit output sharding names the result's axes as written)
     vocab = [d for i, d in enumerate(rhs.shape) if i not in rc]
     if pad is not None:
         vocab[pad.out_axis - free] = pad.size
