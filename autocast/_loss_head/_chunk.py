@@ -298,7 +298,9 @@ def _chunk_jaxpr(plan: _find.Plan, k: int) -> tuple[Any, bool]:
         avals.append(aval)
 
     reshape = _regroup.find(plan.nodes, plan.head, plan.axes, plan.outputs)
-    merged = False
+    if reshape is not None:  # its new sizes at chunk size: the head's result is made in them
+        sizes = _axes.at_chunk("reshape", plan.nodes[reshape].params, plan.relations[reshape], k)["new_sizes"]
+    merged = False  # (the head's `_regroup.bind` applied: the reshape then passes its input on)
 
     def replay(*args: Any) -> list[Any]:
         env: dict[int, Any] = dict(zip(plan.inputs, args))
@@ -319,7 +321,6 @@ def _chunk_jaxpr(plan: _find.Plan, k: int) -> tuple[Any, bool]:
     def _bind(index: int, node: Node, ins: list[Any], params: dict[str, Any]) -> list[Any]:
         nonlocal merged
         if index == plan.head and reshape is not None:  # made in the loss's shape (`_regroup`)
-            sizes = _axes.at_chunk("reshape", plan.nodes[reshape].params, plan.relations[reshape], k)["new_sizes"]
             out = _regroup.bind(node, ins, params, sizes, plan.pad)
             merged = out is not None
             if merged:
