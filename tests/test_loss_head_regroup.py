@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import walk
-from loss_head_cases import IDIOMS, assert_same, body, heads, inputs, strict
+from loss_head_cases import BF16_TOL, IDIOMS, assert_same, body, heads, inputs, strict
 
 import autocast
 from autocast._loss_head import _find, _regroup
@@ -134,3 +134,34 @@ def test_bind_leaves_a_reshape_that_moves_the_vocabulary():
     written = jax.lax.dot_general(x, wt, **{k: v for k, v in params.items() if k != "out_sharding"})
     got = _regroup.bind(node, [x, wt], params, (16, 128), None)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(written.reshape(16, 128), np.float32))
+
+
+@pytest.mark.parametrize("fn", [FLAT, _vmapped_per_sequence], ids=["flat", "vmapped"])
+def test_regrouped_head_under_jvp_and_grad_of_grad(fn, monkeypatch):
+    """Forward mode and a Hessian-vector product (grad of grad) through the chunked head with
+    the flat logits, compiled without excess precision: within two bfloat16 roundings of the
+    head with the reshape where the user wrote it (measured: the tangent equal, the product
+    3.5e-3 apart on JAX 0.12, 2e-7 on 0.9.2) and as near the float32 function's (0.55 % against
+    0.60 %): the loop's derivative rules are `jax.vjp`'s, differentiated again."""
+    h, p, w, y = inputs()
+    kh, kw = jax.random.split(jax.random.key(3))
+    tangents = (0.1 * jax.random.normal(kh, h.shape), jnp.zeros_like(p), 0.1 * jax.random.normal(kw, w.shape))
+
+    def derivatives(f):
+        loss = lambda h, p, w: f(h, p, w, y)  # noqa: E731
+        _, tangent = jax.jvp(loss, (h, p, w), tangents)
+        hvp = jax.grad(lambda w: jnp.vdot(jax.grad(loss, argnums=2)(h, p, w), tangents[2]))(w)
+        return tangent, hvp
+
+    def amped(h, p, w, y):
+        return autocast.amp(fn, compute_dtype=jnp.bfloat16, loss_head=4)(h, p, w, y)
+
+    assert [x["how"].endswith("made flat by the matmul") for x in heads(fn, (h, p, w, y))] == [True]
+    regrouped = strict(lambda: derivatives(amped))
+    monkeypatch.setattr(_regroup, "find", lambda *a, **k: None)
+    as_written = strict(lambda: derivatives(amped))
+    reference = derivatives(fn)
+    for a, b, r in zip(regrouped, as_written, reference):
+        err = lambda x, y: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))  # noqa: E731
+        assert err(a, b) <= BF16_TOL, err(a, b)
+        assert err(a, r) <= 1.5 * err(b, r) + 1e-6, (err(a, r), err(b, r))
