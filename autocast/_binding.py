@@ -339,23 +339,23 @@ def _bind_bias_summed_apart(
     return _cpu_matmul.bind(prim, ops, params)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _rounded_cotangent(x: Any, half: str) -> Any:
     """The identity, whose cotangent is rounded to `half` (and converted back) behind an
-    optimisation barrier: XLA cannot fuse what reads it with what made it."""
+    optimisation barrier: XLA cannot fuse what reads it with what made it.
+
+    A `custom_jvp` whose tangent map is that rounding (linear to JAX: conversions and the
+    barrier transpose to themselves), so reverse mode rounds the cotangent and forward mode
+    (`jax.jvp`, `jax.hessian`) works too, its tangent rounded alike; a `custom_vjp` would
+    refuse forward mode."""
     return x
 
 
-def _rounded_cotangent_fwd(x: Any, half: str) -> tuple[Any, None]:
-    return x, None
-
-
-def _rounded_cotangent_bwd(half: str, _: None, ct: Any) -> tuple[Any]:
-    rounded = lax.optimization_barrier(lax.convert_element_type(ct, np.dtype(half)))
-    return (lax.convert_element_type(rounded, _dtypes.dtype_of(ct)),)
-
-
-_rounded_cotangent.defvjp(_rounded_cotangent_fwd, _rounded_cotangent_bwd)
+@_rounded_cotangent.defjvp
+def _rounded_cotangent_jvp(half: str, primals: tuple[Any], tangents: tuple[Any]) -> tuple[Any, Any]:
+    (x,), (t,) = primals, tangents
+    rounded = lax.optimization_barrier(lax.convert_element_type(t, np.dtype(half)))
+    return x, lax.convert_element_type(rounded, _dtypes.dtype_of(t))
 
 
 def _describe(x: Any) -> str:

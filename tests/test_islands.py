@@ -178,7 +178,7 @@ def test_modes_compute_the_same_function(case, auto_is):
 
 @pytest.mark.parametrize("bad", ["yes", "Auto", 1, None, 0.0])
 def test_bad_remat_float32_is_rejected(bad):
-    with pytest.raises(ValueError, match=r"remat_float32=.*True, False or 'auto'"):
+    with pytest.raises(ValueError, match=r"remat_float32=.*True, False, 'auto' or 'matmuls'"):
         autocast.amp(softmax_layernorm, remat_float32=bad)
 
 
@@ -431,6 +431,25 @@ def test_bias_gradient_is_summed_from_the_half_cotangent_apart_from_the_island(d
     assert err <= 1.05 * err_before, (err, err_before)
     assert _tree_rel(g["b1"], g32["b1"]) <= 1.5 * _tree_rel(g_before["b1"], g32["b1"]) + 1e-4
     np.testing.assert_array_equal(np.asarray(jax.jit(f)(p, x)), np.asarray(jax.jit(before)(p, x)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_forward_mode_through_a_bias_summed_apart(dtype):
+    """The bias sum before GELU (above) rounds its cotangent through a `custom_jvp`, so forward
+    mode works: `jax.jvp` and a Hessian-vector product (forward over reverse) of amp's MLP are
+    within half-precision rounding of float32's (a `custom_vjp` there made every transformer
+    MLP with a GELU refuse `jax.jvp` and `jax.hessian`)."""
+    p, x = _gelu_params()
+    f = autocast.amp(_gelu_mlp, compute_dtype=dtype)
+    assert _barrier_operands(jax.make_jaxpr(jax.grad(f))(p, x))  # the path is taken
+    t = jax.tree_util.tree_map(lambda a: jnp.ones_like(a) / np.sqrt(a.size), p)
+    # (t and x arguments of the jit: as its constants, XLA:CPU folds float32's jvp to NaN)
+    jvp, jvp32 = (jax.jit(lambda p, t, x: jax.jvp(lambda p: g(p, x), (p,), (t,))[1])(p, t, x) for g in (f, _gelu_mlp))
+    hvp, hvp32 = (
+        jax.jit(lambda p, t, x: jax.jvp(jax.grad(lambda p: g(p, x)), (p,), (t,))[1])(p, t, x) for g in (f, _gelu_mlp)
+    )
+    np.testing.assert_allclose(jvp, jvp32, rtol=3e-2)
+    assert _tree_rel(hvp, hvp32) < 5e-2, _tree_rel(hvp, hvp32)
 
 
 def test_saved_statistics_change_no_gradient_of_an_equinox_block(monkeypatch):
