@@ -443,11 +443,15 @@ def test_forward_mode_through_a_bias_summed_apart(dtype):
     f = autocast.amp(_gelu_mlp, compute_dtype=dtype)
     assert _barrier_operands(jax.make_jaxpr(jax.grad(f))(p, x))  # the path is taken
     t = jax.tree_util.tree_map(lambda a: jnp.ones_like(a) / np.sqrt(a.size), p)
+
     # (t and x arguments of the jit: as its constants, XLA:CPU folds float32's jvp to NaN)
-    jvp, jvp32 = (jax.jit(lambda p, t, x: jax.jvp(lambda p: g(p, x), (p,), (t,))[1])(p, t, x) for g in (f, _gelu_mlp))
-    hvp, hvp32 = (
-        jax.jit(lambda p, t, x: jax.jvp(jax.grad(lambda p: g(p, x)), (p,), (t,))[1])(p, t, x) for g in (f, _gelu_mlp)
-    )
+    def jvp(g):
+        return jax.jit(lambda p, t, x: jax.jvp(lambda p: g(p, x), (p,), (t,))[1])(p, t, x)
+
+    def hvp(g):
+        return jax.jit(lambda p, t, x: jax.jvp(jax.grad(lambda p: g(p, x)), (p,), (t,))[1])(p, t, x)
+
+    (jvp, jvp32), (hvp, hvp32) = (jvp(f), jvp(_gelu_mlp)), (hvp(f), hvp(_gelu_mlp))
     np.testing.assert_allclose(jvp, jvp32, rtol=3e-2)
     assert _tree_rel(hvp, hvp32) < 5e-2, _tree_rel(hvp, hvp32)
 
