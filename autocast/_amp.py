@@ -182,7 +182,11 @@ def amp(fn: Callable | None = None, **options: Unpack[AmpKwargs]) -> Any:
             and a product of two activations only it reads (attention's scores before the
             softmax: recomputed from `q` and `k`, never kept). A fused attention kernel
             (`attention="auto"`) is recomputed the same way: `True` always, `"auto"` for
-            padded sequences, `False` never.
+            padded sequences, `False` never. `"matmuls"`: every island and kernel, and
+            the matmuls between two recomputed steps with them (an MLP's up-projection
+            between its norm and GELU; q, k, v between a norm and the attention), each
+            block's chain recomputed from its inputs: about a fifth more matmul FLOPs for
+            the least memory (GPT-2 small's v5e step 0.20x MPX's temp, docs/tpu.md).
         weight_grad_dtype: The dtype in which the gradient of a matmul operand narrowed
             from float32 (a parameter) leaves the matmul, and so the dtype of every
             reduction after it (data-parallel all-reduce, FSDP reduce-scatter, `psum`, a

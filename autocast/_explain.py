@@ -442,7 +442,8 @@ def explain(fn: Callable, **options: Unpack[AmpKwargs]) -> Callable[..., Explana
         amp_policy: A mapping from primitives or `jax.named_scope` names to rules;
             default `autocast.default_amp_policy`.
         remat_float32: Which float32 islands are recomputed in the backward pass: `"auto"`
-            (default), `True` (every island) or `False` (none); the totals count them, and
+            (default), `True` (every island), `"matmuls"` (every island, with the matmuls
+            between them) or `False` (none); the totals count them, and
             the bytes saved for the backward pass change with it.
         weight_grad_dtype: The dtype the matmuls computing weight gradients write:
             `"float32"` (default) or `"compute"` (see `totals["backward_matmul_bytes"]`).

@@ -113,6 +113,9 @@ class Context:
         # that the cost model says pay off (see `_worth_recomputing`).
         self.remat = remat is not False and compute_dtype != _dtypes.FLOAT32
         self.remat_auto = remat == "auto"
+        # `remat_float32="matmuls"`: every island, and the matmuls between two recomputed
+        # ones in one checkpoint with them (`_islands.chain_end`)
+        self.remat_matmuls = self.remat and remat == "matmuls"
         # whether matmuls read only in float32 may store float32 results (`_wide`): not
         # inside a user checkpoint whose policy may save matmul results
         self.widen = True
@@ -297,24 +300,41 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: _plan.Plan, env: dict, read, scop
         for v in jaxpr.outvars:
             if not isinstance(v, _compat.Literal):
                 last_use[v] = len(eqns)
-    lead = _islands.lead_ins(eqns, steps, island, jaxpr.outvars) if any(island) and not ctx.recomputed else {}
+    chains = ctx.remat_matmuls and ctx.remat and not ctx.recomputed and any(island)
+    lead = _islands.lead_ins(eqns, steps, island, jaxpr.outvars, chains) if any(island) and not ctx.recomputed else {}
 
     def eval_eqn(ctx: Context, eqn: Any, step: _plan.Step, env: dict, read, scopes, marker=None, widen=False):
         _eval_eqn(ctx, eqn, step, env, read, scopes, plan, marker, widen)
 
-    def eval_island(start: int, end: int, n_island: int) -> None:
+    read_by = _islands.readers(eqns, jaxpr.outvars) if chains else {}
+    units = _rewrites.recomputable_primitives() if chains else frozenset()
+
+    def eval_island(start: int, stop: int, end: int, alone: bool = True) -> int:
+        """The recomputed island `[start, stop)` and the matmuls that read it, up to `end`
+        (or the chain it starts: `remat_float32="matmuls"`); returns where it ends. Not
+        `alone` (a recomputable equation at `start`): only if it starts a chain (else
+        returns `start`, nothing evaluated)."""
+        if not alone:
+            end = _islands.absorbed_end(eqns, steps, island, stop, lead)
+        found = _islands.chain_end(eqns, steps, island, start, stop, end, lead, read_by, units) if chains else None
+        chain = None
+        if found is not None:
+            end, chain = found
+        elif not alone:
+            return start
         _islands.eval_island(
-            ctx, eqns[start:end], steps[start:end], env, read, scopes, last_use, end, n_island, eval_eqn
+            ctx, eqns[start:end], steps[start:end], env, read, scopes, last_use, end, stop - start, eval_eqn, chain
         )
+        return end
 
     i = 0
     while i < len(eqns):
         j = _islands.island_end(eqns, steps, island, lead[i]) if i in lead else i
         if j > i and _islands.recomputes(ctx, eqns[i:j], read):
             # an activation product that only the island reads: recomputed with it
-            k = _islands.absorbed_end(eqns, steps, island, j, lead)
-            eval_island(i, k, j - i)
-            j = k
+            j = eval_island(i, j, _islands.absorbed_end(eqns, steps, island, j, lead))
+        elif chains and eqns[i].primitive.name in units and (k := eval_island(i, i + 1, i + 1, alone=False)) > i:
+            j = k  # a recomputable equation (the fused attention) chained to the island its matmuls feed
         elif not island[i]:
             widen = feeds_recomputed is not None and i in wide and not feeds_recomputed(i)
             eval_eqn(ctx, eqns[i], steps[i], env, read, scopes, widen=widen)
@@ -326,9 +346,7 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: _plan.Plan, env: dict, read, scop
                 for k in range(i, j):
                     eval_eqn(ctx, eqns[k], steps[k], env, read, scopes, marker)
             else:
-                k = _islands.absorbed_end(eqns, steps, island, j, lead)
-                eval_island(i, k, j - i)
-                j = k
+                j = eval_island(i, j, _islands.absorbed_end(eqns, steps, island, j, lead))
         if plan.narrow:
             _narrow(ctx, eqns[i:j], plan.narrow, env)
         i = j

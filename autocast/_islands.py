@@ -4,7 +4,9 @@ The planner marks the equations that compute in float32 (`autocast._plan.Plan.is
 With `remat_float32` each contiguous run of them (an island, `island_end`) is
 evaluated inside its own `jax.checkpoint` (`eval_island`), so its float32 results
 are recomputed in the backward pass rather than saved; with `"auto"` only where that cuts
-what the island keeps by a large factor (`worth_recomputing`). A recomputed island's
+what the island keeps by a large factor (`worth_recomputing`); with `"matmuls"` an island's
+checkpoint also runs on over the matmuls its matmuls feed to the next recomputed island or
+fused attention (`chain_end`). A recomputed island's
 checkpoint also holds the matmuls that read it and saves only their outputs
 (`absorbed_end`), so their half-precision operand is recomputed, not kept; and a
 product of two activations that only the island reads (attention's scores before the
@@ -15,7 +17,7 @@ derivative keeps anyway. Islands are local: an enclosing user checkpoint keeps i
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from jax import lax
@@ -70,7 +72,9 @@ def recomputes(ctx: Any, eqns: Sequence[Any], read) -> bool:
     return not ctx.remat_auto or worth_recomputing(eqns, lambda v: _nbytes(read(v)[0]))
 
 
-def lead_ins(eqns: Sequence[Any], plan: list, island: list[bool], outvars: Sequence[Any]) -> dict[int, int]:
+def lead_ins(
+    eqns: Sequence[Any], plan: list, island: list[bool], outvars: Sequence[Any], matmuls: bool = False
+) -> dict[int, int]:
     """Islands' lead-ins: `{start: island start}`.
 
     A lead-in is a compute-rule `dot_general` of two computed values (attention's
@@ -79,10 +83,14 @@ def lead_ins(eqns: Sequence[Any], plan: list, island: list[bool], outvars: Seque
     Evaluated in the island's checkpoint, the product is recomputed in the backward pass
     instead of saved as the island's input: the backward pass keeps its operands anyway
     (its own derivative reads them), so this saves the product's bytes for one matmul's
-    FLOPs (attention's scores: the largest activation of a transformer).
+    FLOPs (attention's scores: the largest activation of a transformer). With `matmuls`
+    (`remat_float32="matmuls"`) one operand may be a parameter (an MLP's up-projection
+    before GELU: the activation it reads is kept for its weight gradient anyway), and the
+    way to the island may add a parameter (the projection's bias).
     """
     read_by = readers(eqns, outvars)
     producer = {v: eqn for eqn in eqns for v in eqn.outvars}
+    memo: dict[Any, bool] = {}
 
     def computed(v: Any) -> bool:
         while not isinstance(v, _compat.Literal) and v in producer:
@@ -90,6 +98,10 @@ def lead_ins(eqns: Sequence[Any], plan: list, island: list[bool], outvars: Seque
             if not _plan.is_linear(eqn):
                 return True
             arrays = [u for u in eqn.invars if not isinstance(u, _compat.Literal) and u.aval.size > 1]
+            if matmuls and len(arrays) > 1:  # a bias add: computed if an operand is
+                if v not in memo:
+                    memo[v] = any(computed(u) for u in arrays)
+                return memo[v]
             if len(arrays) != 1:
                 return False
             v = arrays[0]
@@ -109,7 +121,12 @@ def lead_ins(eqns: Sequence[Any], plan: list, island: list[bool], outvars: Seque
                 break
             if plan[k].computes and eqn.primitive.name == "dot_general":
                 ops = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
-                if len(ops) == 2 and all(computed(v) for v in ops) and out.aval.size >= max(v.aval.size for v in ops):
+                made = [computed(v) for v in ops]
+                if (
+                    len(ops) == 2
+                    and (all(made) or (matmuls and any(made)))
+                    and out.aval.size >= max(v.aval.size for v in ops)
+                ):
                     found[k] = j
                 break
             arrays = [
@@ -117,6 +134,8 @@ def lead_ins(eqns: Sequence[Any], plan: list, island: list[bool], outvars: Seque
                 for u in eqn.invars
                 if not isinstance(u, _compat.Literal) and _dtypes.is_castable(u.aval.dtype) and u.aval.size > 1
             ]
+            if matmuls and len(arrays) > 1:  # a bias add: the parameter's side is not recomputed
+                arrays = [u for u in arrays if computed(u)]
             if len(arrays) != 1:
                 break
             wanted = {arrays[0]}
@@ -230,6 +249,106 @@ def absorbed_end(eqns: Sequence[Any], plan: list, island: list[bool], j: int, le
     return last
 
 
+# How many steps a chain may take past a point where a value it made is still read further on,
+# to close where that value's reader joins it: in a post-LN block the first norm's output is
+# read by the residual add before the second norm, one step after the MLP. One step; more
+# would let a chain run across blocks and keep no block's recomputation local.
+_LOOKAHEAD = 1
+
+
+class Chain(NamedTuple):
+    """What each equation of an autocast checkpoint is (`eval_island`), by position:
+    `marked`, in an island (or a recomputable equation chained to one: the observer's
+    island marker); `saved`, a matmul whose outputs the checkpoint saves; `recomputed`, a
+    recomputable equation (the fused attention) bound as inside a checkpoint that
+    recomputes it, so it adds no checkpoint of its own."""
+
+    marked: tuple[bool, ...]
+    saved: tuple[bool, ...]
+    recomputed: tuple[bool, ...]
+
+
+def chain_end(
+    eqns: Sequence[Any],
+    plan: list,
+    island: list[bool],
+    start: int,
+    island_stop: int,
+    end: int,
+    lead: Mapping[int, int],
+    read_by: Mapping[Any, set[int]],
+    units: frozenset[str],
+) -> tuple[int, Chain] | None:
+    """`remat_float32="matmuls"`: the recomputed island `[start, island_stop)`, with its
+    absorbed matmuls up to `end`, extended over what its matmuls feed, when that is
+    recomputed too: through linear equations (bias adds, reshapes) to the next recomputed
+    island or recomputable equation (`units`: the fused attention) and the matmuls that
+    read it, and so on. A matmul between two recomputed steps (an MLP's up-projection
+    between its layer norm and GELU; q, k and v between a layer norm and the attention)
+    is then recomputed with them instead of saved as the next one's input: one more
+    matmul in the backward pass for an activation the size of its result. The chain
+    ends where a value it made is read outside it (the residual stream), or one step
+    (`_LOOKAHEAD`) further where that step takes the value's reader in and nothing else
+    escapes (a post-LN block: its first norm's output, read by the second residual add),
+    so each block's chain is recomputed alone, just before its own backward pass.
+
+    Returns:
+        The chain's end and what each of its equations is, or None where the island
+        chains to nothing.
+    """
+    marked = set(range(start, island_stop))
+    recomputed = {start} if eqns[start].primitive.name in units else set()
+    group, cur = island_stop, end  # the matmuls whose outputs the checkpoint saves: [group, cur)
+    done = None  # (cur, group, marked, recomputed) where the chain last closed
+    open_steps = 0
+    while True:
+        m = cur
+        while (
+            m < len(eqns)
+            and not island[m]
+            and m not in lead
+            and eqns[m].primitive.name not in units
+            and plan[m].kind == _plan.RULE
+            and not plan[m].computes
+            and not eqns[m].effects
+            and _plan.is_linear(eqns[m])
+        ):
+            m += 1
+        if m >= len(eqns) or eqns[m].effects:
+            break
+        unit = False
+        if m in lead or island[m]:
+            stop = island_end(eqns, plan, island, lead.get(m, m))
+            if all(_plan.is_linear(e) for e in eqns[m:stop]):
+                break
+        elif eqns[m].primitive.name in units:
+            stop, unit = m + 1, True
+        else:
+            break
+        marked.update(range(m, stop))
+        if unit:
+            recomputed.add(m)
+        group, cur = stop, absorbed_end(eqns, plan, island, stop, lead)
+        inside = set(range(start, cur))
+        if all(read_by.get(v, set()) <= inside for e in eqns[start:m] for v in e.outvars):
+            done = (cur, group, set(marked), set(recomputed))
+            if open_steps:
+                break  # closed after a step it could not close at (post-LN: at the next norm)
+        elif open_steps == _LOOKAHEAD or done is None:
+            break  # a value made before it is read further on (the residual stream)
+        else:
+            open_steps += 1
+    if done is None:
+        return None
+    cur, group, marked, recomputed = done
+    n = range(start, cur)
+    return cur, Chain(
+        tuple(k in marked for k in n),
+        tuple(group <= k and plan[k].computes for k in n),
+        tuple(k in recomputed for k in n),
+    )
+
+
 def eval_island(
     ctx: Any,
     eqns: Sequence[Any],
@@ -241,14 +360,23 @@ def eval_island(
     end: int,
     n_island: int | None,
     eval_eqn: Callable[..., None],
+    chain: Chain | None = None,
 ) -> None:
     """Evaluate a run of float32 equations inside `jax.checkpoint`: the backward pass
     recomputes them from the island's inputs (half-precision activations, parameters)
     instead of keeping their float32 results. Equations after the first `n_island` are
     the matmuls that read the island (see `absorbed_end`): only their outputs are
     saved. `eval_eqn(ctx, eqn, step, env, read, scopes, island)` evaluates one equation
-    (the interpreter's), `island` being a marker shared by the island's equations."""
+    (the interpreter's), `island` being a marker shared by the island's equations.
+    `chain` (`chain_end`, in place of `n_island`): the islands and recomputable equations
+    chained after the first, and the matmuls whose outputs are saved (the last group)."""
     n_island = len(eqns) if n_island is None else n_island
+    if chain is None:
+        chain = Chain(
+            tuple(n < n_island for n in range(len(eqns))),
+            tuple(n >= n_island and s.computes for n, s in enumerate(steps)),
+            (False,) * len(eqns),
+        )
     inputs = _island_inputs(eqns)
     outputs = [
         v for eqn in eqns for v in eqn.outvars if not isinstance(v, _compat.DropVar) and last_use.get(v, -1) >= end
@@ -258,7 +386,7 @@ def eval_island(
     in_vals = [read(v) for v in inputs]
     out_free: list[bool] = []
     marker = (object(), True)  # for Context.observer: one recomputed island
-    kept_for_matmul = _kept_for_matmul(eqns, steps, n_island, outputs)
+    kept_for_matmul = _kept_for_matmul(eqns, chain.saved, outputs)
 
     def island(*args):
         local = {v: (x, f) for v, x, (_, f) in zip(inputs, args, in_vals)}
@@ -267,10 +395,12 @@ def eval_island(
             return (v.val, LITERAL) if isinstance(v, _compat.Literal) else local[v]
 
         inner = ctx.in_checkpoint(kept_for_matmul)
+        whole = inner.inside_recomputed_island() if any(chain.recomputed) else inner
         with _dtypes.memoised_casts():
             for n, (eqn, step) in enumerate(zip(eqns, steps)):
-                eval_eqn(inner, eqn, step, local, local_read, scopes, marker if n < n_island else None)
-                if n >= n_island and step.computes:
+                c = whole if chain.recomputed[n] else inner
+                eval_eqn(c, eqn, step, local, local_read, scopes, marker if chain.marked[n] else None)
+                if chain.saved[n]:
                     for v in eqn.outvars:  # the absorbed matmuls' results: saved
                         if v in local and _dtypes.is_floating(_dtypes.dtype_of(local[v][0])):
                             local[v] = (checkpoint_name(local[v][0], _compat.SAVED_NAME), local[v][1])
@@ -284,7 +414,7 @@ def eval_island(
         env[v] = (x, f)
 
 
-def _kept_for_matmul(eqns: Sequence[Any], steps: Sequence, n_island: int, outputs: Sequence[Any]):
+def _kept_for_matmul(eqns: Sequence[Any], saved: Sequence[bool], outputs: Sequence[Any]):
     """The values an island's checkpoint saves only for one matmul: the result of a saved
     matmul (attention's `probs @ values`) carried through linear equations (reshapes,
     transposes), each read once and never outside the island. A float8 matmul reading one
@@ -294,8 +424,8 @@ def _kept_for_matmul(eqns: Sequence[Any], steps: Sequence, n_island: int, output
         return frozenset()
     read_by = readers(eqns, outputs)  # an output: read outside the island too
     found: set = set()
-    for n, (eqn, step) in enumerate(zip(eqns, steps)):
-        if n >= n_island and step.computes:
+    for n, eqn in enumerate(eqns):
+        if saved[n]:
             root = True
         else:
             floats = [v for v in eqn.invars if not isinstance(v, _compat.Literal) and _dtypes.is_floating(v.aval.dtype)]

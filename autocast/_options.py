@@ -24,6 +24,7 @@ from ._policy import default_amp_policy, validate_policy
 _WEIGHT_GRAD_DTYPES = ("float32", "compute")
 _CUSTOM_VJP_BWD = ("amp", "original")
 _ATTENTION = ("auto", "xla")
+_REMAT = ("auto", "matmuls")
 
 
 class AmpKwargs(TypedDict, total=False):
@@ -32,7 +33,7 @@ class AmpKwargs(TypedDict, total=False):
 
     compute_dtype: Any
     amp_policy: Mapping | None
-    remat_float32: bool | Literal["auto"]
+    remat_float32: bool | Literal["auto", "matmuls"]
     weight_grad_dtype: Literal["float32", "compute"]
     custom_vjp_bwd: Literal["amp", "original"]
     attention: Literal["auto", "xla"]
@@ -53,7 +54,7 @@ class AmpOptions:
 
     compute_dtype: Any = jnp.float16
     amp_policy: Mapping | None = None
-    remat_float32: bool | Literal["auto"] = "auto"
+    remat_float32: bool | Literal["auto", "matmuls"] = "auto"
     weight_grad_dtype: Literal["float32", "compute"] = "float32"
     custom_vjp_bwd: Literal["amp", "original"] = "amp"
     attention: Literal["auto", "xla"] = "auto"
@@ -66,8 +67,10 @@ class AmpOptions:
         validate_policy(policy)
         set_(self, "amp_policy", policy)
         remat = self.remat_float32
-        if not (remat is True or remat is False or (isinstance(remat, str) and remat == "auto")):
-            raise ValueError(f"remat_float32={self.remat_float32!r} is not allowed; use True, False or 'auto'.")
+        if not (remat is True or remat is False or (isinstance(remat, str) and remat in _REMAT)):
+            raise ValueError(
+                f"remat_float32={self.remat_float32!r} is not allowed; use True, False, 'auto' or 'matmuls'."
+            )
         _check_choice("weight_grad_dtype", self.weight_grad_dtype, _WEIGHT_GRAD_DTYPES)
         _check_choice("custom_vjp_bwd", self.custom_vjp_bwd, _CUSTOM_VJP_BWD)
         _check_choice("attention", self.attention, _ATTENTION)

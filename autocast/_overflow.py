@@ -364,7 +364,7 @@ def find_overflow(
         amp_policy: A mapping from primitives or `jax.named_scope` names to rules;
             default `autocast.default_amp_policy`.
         remat_float32: Which float32 islands are recomputed in the backward pass:
-            `"auto"` (default), `True` or `False`, as in `autocast.amp`.
+            `"auto"` (default), `True`, `"matmuls"` or `False`, as in `autocast.amp`.
         weight_grad_dtype: The dtype the matmuls computing weight gradients write:
             `"float32"` (default) or `"compute"` (then they write half precision and are
             checked too, with `grad=True`).

@@ -42,6 +42,7 @@ __all__ = [
     "Rewrite",
     "Span",
     "primitives_by_name",
+    "recomputable_primitives",
     "register_rewrite",
     "rewrite",
     "span_primitive",
@@ -121,6 +122,7 @@ class Rewrite:
     find: Callable[[Any, Sequence[Any], Any], Sequence[Span | Kept]]
     rule: _rules.Rule
     prepare: Callable[[Span, Any], Mapping[str, Any] | str]
+    recomputable: bool = False
 
 
 REWRITES: dict[str, Rewrite] = {}
@@ -133,6 +135,7 @@ def register_rewrite(
     find: Callable[[Any, Sequence[Any], Any], Sequence[Span | Kept]],
     rule: _rules.Rule,
     prepare: Callable[[Span, Any], Mapping[str, Any] | str] | None = None,
+    recomputable: bool = False,
 ) -> Rewrite:
     """Declare a whole-program rewrite (once, at its module's import).
 
@@ -147,6 +150,11 @@ def register_rewrite(
         prepare: `prepare(span, setting)`: the new equation's parameters, or why the span
             stays as written (None: the parameters are `{"found": span.found}`); `setting`
             is amp's option named `name` (`Context.rewrite_settings`), or None.
+        recomputable: Whether the rule binds the equation so that, inside an autocast
+            checkpoint (`RuleContext.recomputed`), the backward pass may recompute it from
+            its inputs as it recomputes a float32 island (the fused attention). With
+            `remat_float32="matmuls"` such an equation joins the checkpoint of the island
+            whose matmuls feed it (`autocast._islands.chain_end`).
 
     Returns:
         The `Rewrite`.
@@ -154,7 +162,9 @@ def register_rewrite(
     Raises:
         ValueError: Another rewrite of that name, or of that primitive, is registered.
     """
-    rewrite_ = Rewrite(name, primitive, find, rule, prepare or (lambda span, setting: {"found": span.found}))
+    rewrite_ = Rewrite(
+        name, primitive, find, rule, prepare or (lambda span, setting: {"found": span.found}), recomputable
+    )
     for other in REWRITES.values():
         if other.name == name or other.primitive is primitive:
             raise ValueError(f"register_rewrite({name!r}): {other.name!r} is registered for it already.")
@@ -165,6 +175,11 @@ def register_rewrite(
 def primitives_by_name() -> dict[str, list[Any]]:
     """The registered rewrites' primitives by name (the names a policy file may use)."""
     return {r.primitive.name: [r.primitive] for r in REWRITES.values()}
+
+
+def recomputable_primitives() -> frozenset[str]:
+    """The names of the registered rewrites' primitives declared `recomputable`."""
+    return frozenset(r.primitive.name for r in REWRITES.values() if r.recomputable)
 
 
 def rewrite(ctx: Any, jaxpr: Any, consts: Sequence[Any], scopes: tuple[str, ...]) -> Any:

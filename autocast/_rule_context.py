@@ -28,7 +28,8 @@ class RuleContext:
         scopes: The named scopes around the equation, outermost first (`amp_stop` among
             them inside `autocast.amp_stop`).
         remat: Whether float32 work may be recomputed in the backward pass here: amp's
-            `remat_float32` (`True`, or `"auto"`: where its cost model says it pays), or
+            `remat_float32` (`True`, also for `"matmuls"`, or `"auto"`: where its cost
+            model says it pays), or
             `False` where amp finds no float32 islands (`remat_float32=False`, a float32
             compute dtype, inside a custom JVP rule).
         recomputed: Whether the equation is inside a checkpoint that recomputes it in the

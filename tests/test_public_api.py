@@ -126,8 +126,13 @@ def test_amp_defaults_are_the_documented_ones():
     [
         ("compute_dtype", "float64", ValueError, r"compute_dtype='float64'.*allowed: float16, bfloat16 or float32"),
         ("amp_policy", [1, 2], TypeError, r"amp_policy must be a mapping.*got list"),
-        ("remat_float32", "yes", ValueError, r"remat_float32='yes' is not allowed; use True, False or 'auto'"),
-        ("remat_float32", 1, ValueError, r"remat_float32=1 is not allowed; use True, False or 'auto'"),
+        (
+            "remat_float32",
+            "yes",
+            ValueError,
+            r"remat_float32='yes' is not allowed; use True, False, 'auto' or 'matmuls'",
+        ),
+        ("remat_float32", 1, ValueError, r"remat_float32=1 is not allowed; use True, False, 'auto' or 'matmuls'"),
         (
             "weight_grad_dtype",
             "half",

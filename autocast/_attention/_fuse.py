@@ -263,7 +263,7 @@ def _prepare(span: _rewrites.Span, setting: Any = None) -> dict[str, Any] | str:
     return {"match": match, "emit": _Fusion(tuple(branches), tuple(f"{p}: as written ({why})" for p, why in refused))}
 
 
-REWRITE = _rewrites.register_rewrite("attention", fused_attention_p, _spans, ATTENTION, _prepare)
+REWRITE = _rewrites.register_rewrite("attention", fused_attention_p, _spans, ATTENTION, _prepare, recomputable=True)
 """The attention rewrite, registered: `autocast._rewrites.rewrite` applies it to each jaxpr
 amp evaluates, before it is planned (never inside `amp_stop`, nor where the policy maps the
 span's scopes to `xla_attention`, nor with `amp(attention="xla")`)."""

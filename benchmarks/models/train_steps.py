@@ -58,10 +58,17 @@ SYSTEMS = (
     "autocast-bf16-sr",
     "mpx-bf16",
 )
-EXTRA_SYSTEMS = ("autocast-bf16-noremat", "autocast-bf16-xla-loss-head", "autocast-bf16-loss-head-8")
+EXTRA_SYSTEMS = (
+    "autocast-bf16-noremat",
+    "autocast-bf16-remat-matmuls",
+    "autocast-bf16-xla-loss-head",
+    "autocast-bf16-loss-head-8",
+)
 """Built on request only (``--systems``): amp bf16 with ``remat_float32=False`` (no float32
 island recomputed in the backward pass: what the recomputation costs in time and saves in
-memory), and amp bf16 with ``loss_head="xla"`` (the tokens x vocabulary matmul and its loss
+memory), amp bf16 with ``remat_float32="matmuls"`` (every island recomputed, with the matmuls
+between two recomputed islands or an island and the fused attention: what recomputing q, k, v
+and the MLP's up-projection saves and costs), amp bf16 with ``loss_head="xla"`` (the tokens x vocabulary matmul and its loss
 as written: the "before" of the loss-head rewrite, ``autocast-bf16`` its "after"), and amp bf16
 with ``loss_head=8`` (eight token chunks: what more chunks than ``"auto"`` takes save and cost)."""
 
@@ -323,7 +330,7 @@ def build_system(name: str, task: Task, static: Any, opt: Any) -> System:
         if name == "autocast-fp8":  # the shipped float8 policy, its cost check for the task's GPU
             rule = autocast.use_float8(target=task.fp8_target)
             policy = autocast.extend_policy({jax.lax.dot_general_p: rule}, base=autocast.load_policy("fp8"))
-        remat = False if name == "autocast-bf16-noremat" else "auto"
+        remat = {"autocast-bf16-noremat": False, "autocast-bf16-remat-matmuls": "matmuls"}.get(name, "auto")
         attention = "xla" if name == "autocast-bf16-xla-attention" else "auto"
         loss_head = {"autocast-bf16-xla-loss-head": "xla", "autocast-bf16-loss-head-8": 8}.get(name, "auto")
         amp_loss = autocast.amp(
