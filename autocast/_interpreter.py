@@ -301,27 +301,24 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: _plan.Plan, env: dict, read, scop
             if not isinstance(v, _compat.Literal):
                 last_use[v] = len(eqns)
     chains = ctx.remat_matmuls and ctx.remat and not ctx.recomputed and any(island)
-    lead = _islands.lead_ins(eqns, steps, island, jaxpr.outvars, chains) if any(island) and not ctx.recomputed else {}
+    read_by = _islands.readers(eqns, jaxpr.outvars) if any(island) and not ctx.recomputed else {}
+    lead = _islands.lead_ins(eqns, steps, island, read_by, chains) if read_by else {}
 
     def eval_eqn(ctx: Context, eqn: Any, step: _plan.Step, env: dict, read, scopes, marker=None, widen=False):
         _eval_eqn(ctx, eqn, step, env, read, scopes, plan, marker, widen)
 
-    read_by = _islands.readers(eqns, jaxpr.outvars) if chains else {}
     units = _rewrites.recomputable_primitives() if chains else frozenset()
 
-    def eval_island(start: int, stop: int, end: int, alone: bool = True) -> int:
-        """The recomputed island `[start, stop)` and the matmuls that read it, up to `end`
-        (or the chain it starts: `remat_float32="matmuls"`); returns where it ends. Not
-        `alone` (a recomputable equation at `start`): only if it starts a chain (else
-        returns `start`, nothing evaluated)."""
-        if not alone:
-            end = _islands.absorbed_end(eqns, steps, island, stop, lead)
-        found = _islands.chain_end(eqns, steps, island, start, stop, end, lead, read_by, units) if chains else None
+    def chain_from(start: int, stop: int, end: int) -> tuple[int, _islands.Chain] | None:
+        """The chain the recomputed step `[start, stop)` starts (`remat_float32="matmuls"`)."""
+        return _islands.chain_end(eqns, steps, island, start, stop, end, lead, read_by, units) if chains else None
+
+    def eval_island(start: int, stop: int, end: int, found: tuple[int, _islands.Chain] | None) -> int:
+        """The recomputed island `[start, stop)` and the matmuls that read it, up to `end`,
+        or the chain `found` it starts; returns where it ends."""
         chain = None
         if found is not None:
             end, chain = found
-        elif not alone:
-            return start
         _islands.eval_island(
             ctx, eqns[start:end], steps[start:end], env, read, scopes, last_use, end, stop - start, eval_eqn, chain
         )
@@ -332,9 +329,14 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: _plan.Plan, env: dict, read, scop
         j = _islands.island_end(eqns, steps, island, lead[i]) if i in lead else i
         if j > i and _islands.recomputes(ctx, eqns[i:j], read):
             # an activation product that only the island reads: recomputed with it
-            j = eval_island(i, j, _islands.absorbed_end(eqns, steps, island, j, lead))
-        elif chains and eqns[i].primitive.name in units and (k := eval_island(i, i + 1, i + 1, alone=False)) > i:
-            j = k  # a recomputable equation (the fused attention) chained to the island its matmuls feed
+            k = _islands.absorbed_end(eqns, steps, island, j, lead)
+            j = eval_island(i, j, k, chain_from(i, j, k))
+        elif (
+            chains
+            and eqns[i].primitive.name in units
+            and (found := chain_from(i, i + 1, _islands.absorbed_end(eqns, steps, island, i + 1, lead)))
+        ):
+            j = eval_island(i, i + 1, i + 1, found)  # the fused attention chained to the island its matmuls feed
         elif not island[i]:
             widen = feeds_recomputed is not None and i in wide and not feeds_recomputed(i)
             eval_eqn(ctx, eqns[i], steps[i], env, read, scopes, widen=widen)
@@ -346,7 +348,8 @@ def _eval_eqns(ctx: Context, jaxpr: Any, plan: _plan.Plan, env: dict, read, scop
                 for k in range(i, j):
                     eval_eqn(ctx, eqns[k], steps[k], env, read, scopes, marker)
             else:
-                j = eval_island(i, j, _islands.absorbed_end(eqns, steps, island, j, lead))
+                k = _islands.absorbed_end(eqns, steps, island, j, lead)
+                j = eval_island(i, j, k, chain_from(i, j, k))
         if plan.narrow:
             _narrow(ctx, eqns[i:j], plan.narrow, env)
         i = j

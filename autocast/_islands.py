@@ -73,9 +73,9 @@ def recomputes(ctx: Any, eqns: Sequence[Any], read) -> bool:
 
 
 def lead_ins(
-    eqns: Sequence[Any], plan: list, island: list[bool], outvars: Sequence[Any], matmuls: bool = False
+    eqns: Sequence[Any], plan: list, island: list[bool], read_by: Mapping[Any, set[int]], matmuls: bool = False
 ) -> dict[int, int]:
-    """Islands' lead-ins: `{start: island start}`.
+    """Islands' lead-ins: `{start: island start}` (`read_by`: `readers(eqns, outvars)`).
 
     A lead-in is a compute-rule `dot_general` of two computed values (attention's
     `q @ k.T`) whose result, larger than either operand, only the island reads, possibly
@@ -88,7 +88,6 @@ def lead_ins(
     before GELU: the activation it reads is kept for its weight gradient anyway), and the
     way to the island may add a parameter (the projection's bias).
     """
-    read_by = readers(eqns, outvars)
     producer = {v: eqn for eqn in eqns for v in eqn.outvars}
     memo: dict[Any, bool] = {}
 

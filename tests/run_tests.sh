@@ -20,7 +20,7 @@ NEXTJAX_FLAGS="JAX_REMAT3=1 JAX_CUSTOM_JVP3=1 JAX_CUSTOM_VJP3=1 JAX_SOFTMAX_CUST
 NEXTJAX_FILES="tests/test_idioms.py tests/test_higher_order.py tests/test_custom_derivatives.py tests/test_islands.py
   tests/test_cross_boundary.py tests/test_residual_census.py tests/test_models_equinox.py
   tests/test_models_flax.py tests/test_explain.py tests/test_walk_hijax.py tests/test_fp8.py
-  tests/test_attention_autodiff.py"
+  tests/test_attention_autodiff.py tests/test_remat_matmuls.py"
 SCAN3_FILE="tests/test_hijax_scan3.py"
 # not in the oldest lane (CI's 30 minutes): the benchmark and demo smoke runs, the training
 # and accuracy checks (float8, bias gradients, half optimizer state, stochastic rounding,

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import kind, walk
+from helpers import bodies, kind, walk
 
 import autocast
 from autocast import _compat
@@ -135,7 +135,8 @@ def _checkpoints(closed) -> list:
     """The checkpoints at the top level of an amp'd function's jaxpr (its own jit inlined)."""
     eqns = list(closed.jaxpr.eqns)
     while len(eqns) == 1 and kind(eqns[0]) == "jit":
-        eqns = list(eqns[0].params["jaxpr"].jaxpr.eqns)
+        (body,) = bodies(eqns[0])
+        eqns = list(getattr(body, "jaxpr", body).eqns)
     return [e for e in eqns if kind(e) == "checkpoint"]
 
 
@@ -146,7 +147,7 @@ def test_each_chain_stays_inside_its_block():
     loss, params, x = _model(post_ln=False, n=n)
     closed = jax.make_jaxpr(autocast.amp(loss, compute_dtype=jnp.bfloat16, remat_float32="matmuls"))(params, x)
     checkpoints = _checkpoints(closed)
-    dots = [sum(e.primitive.name == "dot_general" for e, _ in walk(c.params["jaxpr"])) for c in checkpoints]
+    dots = [sum(e.primitive.name == "dot_general" for b in bodies(c) for e, _ in walk(b)) for c in checkpoints]
     assert len(checkpoints) == 2 * n, dots
     assert max(dots) <= 6, dots  # q, k, v, scores, probabilities x values, output projection
 
